@@ -1,0 +1,19 @@
+"""raypp: pipeline-parallel LLM inference on Ray Compiled Graphs.
+
+Public surface: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`,
+:class:`CompletionOutput`.
+"""
+
+from raypp.outputs import CompletionOutput, Logprob, RequestOutput
+from raypp.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # imported lazily: it pulls in Ray and torch
+        from raypp.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'raypp' has no attribute {name!r}")

@@ -1,0 +1,252 @@
+"""Engine configuration: one dataclass per concern, each validating itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raypp import envs
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face–format checkpoint directory and how to run it.
+
+    Raises ``FileNotFoundError`` naming the path when the directory or its
+    ``config.json`` is missing, ``ValueError`` for an unsupported architecture,
+    dtype or ``max_model_len``.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    hf_config: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model directory {self.model!r} does not exist (raypp loads local "
+                "Hugging Face–format directories: config.json + *.safetensors + tokenizer)"
+            )
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{str(config_file)!r} not found: not a Hugging Face model dir")
+        self.model = str(path.resolve())
+        self.hf_config = json.loads(config_file.read_text())
+        archs = self.hf_config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"model {self.model!r} has architectures {archs}; raypp supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.torch_dtype  # validates dtype
+        limit = self.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
+            raise ValueError(
+                f"max_model_len must be an integer in [1, {limit}] (the checkpoint's "
+                f"max_position_embeddings), got {self.max_model_len!r}"
+            )
+
+    @property
+    def architecture(self) -> str:
+        return next(a for a in self.hf_config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings", 2048))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+            return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config.json, else config.json."""
+        gen = Path(self.model) / "generation_config.json"
+        source = json.loads(gen.read_text()) if gen.is_file() else {}
+        eos = source.get("eos_token_id", self.hf_config.get("eos_token_id"))
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [int(eos)]
+
+
+@dataclass
+class ParallelConfig:
+    """How many stages and TP ranks, and where Ray runs."""
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    ray_address: str | None = None
+    layer_partition: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported yet; use pipeline_parallel_size"
+            )
+        if self.layer_partition is None and envs.RAYPP_PP_LAYER_PARTITION:
+            self.layer_partition = parse_partition(envs.RAYPP_PP_LAYER_PARTITION)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    On CUDA the cache takes ``gpu_memory_utilization`` of the device minus what is
+    in use; on CPU it takes ``kv_cache_memory_bytes`` per stage.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 512 * 2**20
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits. ``max_inflight`` (micro-batches in the pipeline) defaults to pp."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_inflight: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, f)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduler.max_inflight is None:
+            self.scheduler.max_inflight = self.parallel.pipeline_parallel_size
+        # Validates the split now, in the caller's process, with a clear error.
+        partition_layers(
+            self.model.num_layers,
+            self.parallel.pipeline_parallel_size,
+            self.parallel.layer_partition,
+        )
+
+
+def parse_partition(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f'layer partition must look like "3,2,2", got {text!r}') from None
+
+
+def partition_layers(
+    num_layers: int, pp_size: int, override: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """``[start, end)`` layer ranges per stage, split as evenly as possible.
+
+    Earlier stages take the remainder (the last stage also runs the LM head).
+    """
+    if pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
+            "each stage needs at least one layer"
+        )
+    if override is not None:
+        if len(override) != pp_size or sum(override) != num_layers or min(override) < 1:
+            raise ValueError(
+                f"layer partition {override} must have {pp_size} positive entries summing to "
+                f"{num_layers}"
+            )
+        sizes = list(override)
+    else:
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + (1 if i < extra else 0) for i in range(pp_size)]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def reject_unknown(cls: type, kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` naming keys that are not fields of dataclass ``cls``."""
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} option(s): {', '.join(unknown)}")

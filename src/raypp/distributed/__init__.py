@@ -1,0 +1,1 @@
+"""Process groups, their communicators, and the Ray Compiled Graph adapter."""

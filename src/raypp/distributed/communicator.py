@@ -1,0 +1,200 @@
+"""Process-group wrappers: one ``GroupCoordinator`` per parallel group per worker.
+
+A group owns two ``torch.distributed`` process groups over the same ranks: a
+device group (NCCL on CUDA, gloo on CPU) that moves tensors, and a gloo CPU group
+that moves small pickled metadata. Everything that moves tensors between ranks
+in raypp goes through a ``GroupCoordinator``; ranks passed to its methods are
+ranks *within the group*.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrafficStats:
+    """Counts of point-to-point traffic through one device communicator."""
+
+    sends: int = 0
+    recvs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class DeviceCommunicator:
+    """Tensor transfers over a group's device process group.
+
+    ``send`` returns once the tensor may be reused by the caller (gloo copies
+    synchronously; NCCL enqueues on the current stream). ``recv`` returns a new
+    tensor whose contents are valid on the current stream. A dead peer surfaces
+    as ``RuntimeError`` from ``torch.distributed`` at the latest when the group's
+    timeout expires.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], device: torch.device):
+        self.group = group
+        self.ranks = ranks
+        self.device = device
+        self.stats = TrafficStats()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        tensor = tensor.contiguous()
+        dist.send(tensor, dst=self.ranks[dst], group=self.group)
+        self.stats.sends += 1
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(tensor, src=self.ranks[src], group=self.group)
+        self.stats.recvs += 1
+        self.stats.bytes_received += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in self.ranks]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+class GroupCoordinator:
+    """One parallel group (TP, PP or world) as seen by one worker.
+
+    Built collectively: every rank of the world must construct every group in
+    the same order (``torch.distributed.new_group`` is collective), which
+    :mod:`raypp.distributed.parallel_state` guarantees.
+    """
+
+    def __init__(self, name: str, ranks: list[int], device: torch.device,
+                 device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup):
+        self.name = name
+        self.ranks = list(ranks)
+        self.world_size = len(ranks)
+        self.rank = dist.get_rank()
+        self.rank_in_group = self.ranks.index(self.rank)
+        self.device_group = device_group
+        self.cpu_group = cpu_group
+        self.device_communicator = DeviceCommunicator(device_group, self.ranks, device)
+
+    @classmethod
+    def build(cls, name: str, ranks: list[int], device: torch.device,
+              timeout_s: float) -> GroupCoordinator | None:
+        """Collectively create the group's process groups; the coordinator if we are in it.
+
+        Every rank of the world must call this for every group, in the same order.
+        """
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if dist.get_rank() not in ranks:
+            return None
+        return cls(name, ranks, device, device_group, cpu_group)
+
+    # -- topology, so stage code never does rank arithmetic ---------------------
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank_in_group + 1) % self.world_size
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank_in_group - 1) % self.world_size
+
+    # -- tensors ----------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.device_communicator.send(tensor, dst)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        return self.device_communicator.recv(shape, dtype, src)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.device_communicator.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.device_communicator.all_gather(tensor, dim=dim % tensor.dim())
+
+    # -- small objects over the CPU group ----------------------------------------
+    def send_object(self, obj: Any, dst: int) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        dist.send(size, dst=self.ranks[dst], group=self.cpu_group)
+        dist.send(payload, dst=self.ranks[dst], group=self.cpu_group)
+
+    def recv_object(self, src: int) -> Any:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=self.ranks[src], group=self.cpu_group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src=self.ranks[src], group=self.cpu_group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    # -- a dict of tensors and plain values: metadata on CPU, tensors on device ----
+    def send_tensor_dict(self, tensors: dict[str, Any], dst: int) -> None:
+        metadata, payload = _split_tensor_dict(tensors)
+        self.send_object(metadata, dst)
+        for tensor in payload:
+            self.send(tensor, dst)
+
+    def recv_tensor_dict(self, src: int) -> dict[str, Any]:
+        metadata = self.recv_object(src)
+        out: dict[str, Any] = {}
+        for key, value in metadata:
+            if isinstance(value, _TensorMeta):
+                out[key] = self.recv(value.shape, value.dtype, src)
+            else:
+                out[key] = value
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.cpu_group)
+
+    def destroy(self) -> None:
+        for group in (self.device_group, self.cpu_group):
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass  # already gone with the default group
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split_tensor_dict(tensors: dict[str, Any]) -> tuple[list[tuple[str, Any]], list[torch.Tensor]]:
+    metadata: list[tuple[str, Any]] = []
+    payload: list[torch.Tensor] = []
+    for key, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            metadata.append((key, _TensorMeta(tuple(value.shape), value.dtype)))
+            payload.append(value)
+        else:
+            metadata.append((key, value))
+    return metadata, payload

@@ -1,0 +1,93 @@
+"""The smallest shim that lets Ray 2.60's compiled graphs use RayPPCommunicator.
+
+Two private methods of ``ray.experimental.channel.torch_tensor_accelerator_channel``
+are replaced, only in stage-actor processes, only for the Ray versions listed in
+``TESTED_RAY_VERSIONS`` (``tests/test_ray_compat.py`` fails loudly once Ray's code
+changes, so the shim is re-checked rather than silently kept):
+
+1. ``_TorchTensorAcceleratorChannel.ensure_registered_as_{writer,reader}`` assert
+   that the channel device is not the CPU. That forbids a custom communicator
+   from carrying CPU tensors (over gloo). Applied only on CPU workers; the other
+   asserts are kept.
+2. ``TorchTensorAcceleratorChannel.read`` is not retry-safe: the compiled-graph
+   loop reads inputs in ``RAY_CGRAPH_read_iteration_timeout_s`` slices and simply
+   calls ``read`` again after a timeout. If the tensors arrived but the CPU part
+   did not within the slice, stock Ray drops the received tensors and pairs the
+   next execution's tensors with this one's CPU data: silent wrong results, then
+   a hang. The replacement keeps received tensors until the CPU part is read.
+   Applied on CPU and CUDA (the same code serves NCCL).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TESTED_RAY_VERSIONS = ("2.60.0",)
+_applied: set[str] = set()
+
+
+def ray_version_is_tested() -> bool:
+    import ray
+
+    return ray.__version__ in TESTED_RAY_VERSIONS
+
+
+def apply(on_cpu: bool) -> None:
+    """Install the shim in this process (idempotent)."""
+    import ray
+
+    if not ray_version_is_tested():
+        logger.warning(
+            "raypp's compiled-graph shim was verified on Ray %s, found %s; applying anyway",
+            ", ".join(TESTED_RAY_VERSIONS),
+            ray.__version__,
+        )
+    if "read" not in _applied:
+        _patch_retry_safe_read()
+        _applied.add("read")
+    if on_cpu and "cpu" not in _applied:
+        _patch_cpu_device_asserts()
+        _applied.add("cpu")
+
+
+def _patch_cpu_device_asserts() -> None:
+    from ray.experimental.channel import torch_tensor_accelerator_channel as m
+
+    def ensure_registered_as_writer(self: Any) -> None:
+        assert self._accelerator_group is not None, "Actor is not part of an accelerator group"
+        assert self._writer_registered
+
+    def ensure_registered_as_reader(self: Any) -> bool:
+        assert self._accelerator_group is not None, "Actor is not part of an accelerator group"
+        assert self._reader_registered
+        return True
+
+    m._TorchTensorAcceleratorChannel.ensure_registered_as_writer = ensure_registered_as_writer
+    m._TorchTensorAcceleratorChannel.ensure_registered_as_reader = ensure_registered_as_reader
+
+
+def _patch_retry_safe_read() -> None:
+    from ray.experimental.channel import torch_tensor_accelerator_channel as m
+    from ray.experimental.channel import utils
+
+    def read(self: Any, timeout: float | None = None) -> Any:
+        self.ensure_registered_as_reader()
+        if utils.get_self_actor() == self._writer:
+            return self._local_channel.read()
+        # Tensors received in an earlier, timed-out attempt belong to this value.
+        pending = getattr(self, "_raypp_pending_tensors", None)
+        if pending is None:
+            pending = self._gpu_data_channel.read(timeout)
+            self._raypp_pending_tensors = pending
+        if self._cpu_data_channel is None:
+            assert len(pending) == 1
+            data = pending[0]
+        else:
+            data = self._recv_cpu_and_gpu_data(pending, timeout)
+        self._raypp_pending_tensors = None
+        return data
+
+    m.TorchTensorAcceleratorChannel.read = read

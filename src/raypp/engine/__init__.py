@@ -1,0 +1,1 @@
+"""The serving engine: scheduling, KV blocks, sampling, the step loop."""

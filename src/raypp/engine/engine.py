@@ -1,0 +1,288 @@
+"""LLMEngine: add requests, step the pipeline, collect outputs.
+
+A step reads top-down: fill free pipeline slots with micro-batches from the
+scheduler (``schedule``), wait for the oldest micro-batch's sampled tokens
+(``execute``), then append tokens, detokenize, check stop conditions and free
+finished sequences (``postprocess``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from raypp.config import EngineConfig
+from raypp.engine import detokenizer
+from raypp.engine.block_manager import BlockManager
+from raypp.engine.scheduler import MicroBatch, Scheduler
+from raypp.engine.sequence import Request, Sequence, SequenceStatus
+from raypp.engine.step import RowLogprobs, SamplingBatch, StepInput, StepOutput
+from raypp.engine.tokenizer import load_tokenizer
+from raypp.outputs import CompletionOutput, Logprob, RequestOutput
+from raypp.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class _InFlight:
+    batch: MicroBatch
+    step: StepInput
+    handle: Any
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(self, config: EngineConfig):
+        from raypp.executor.ray_executor import RayExecutor
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.model)
+        self.eos_token_ids = set(config.model.eos_token_ids())
+        self.executor = RayExecutor(config)
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._inflight: deque[_InFlight] = deque()
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._seed_rng = random.Random(config.model.seed)
+        self.trace_steps = False
+
+    # -- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """``ValueError`` with an actionable message if the prompt cannot run."""
+        limit = self.config.model.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is {limit} and at "
+                "least one token must be generated: shorten the prompt"
+            )
+        vocab = self.config.model.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request; ``ValueError`` (and nothing queued) if it is invalid."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._prompt(prompt)
+        self.validate_prompt(token_ids)
+        seqs = [self._new_sequence(request_id, i, token_ids, params) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def _new_sequence(self, request_id: str, index: int, token_ids: list[int],
+                      params: SamplingParams) -> Sequence:
+        if params.seed is not None:
+            seed = (params.seed + index * 0x9E3779B1) & _SEED_MASK
+        else:
+            seed = self._seed_rng.getrandbits(63)
+        seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), params, seed)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        detokenizer.init_offsets(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (no-op for unknown ids)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._inflight)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance the pipeline by one micro-batch; outputs of requests it touched."""
+        self._fill_pipeline()
+        if not self._inflight:
+            return []
+        item = self._inflight.popleft()
+        result: StepOutput = self.executor.result(item.handle)
+        return self._postprocess(item.batch, result)
+
+    def _fill_pipeline(self) -> None:
+        while len(self._inflight) < (self.config.scheduler.max_inflight or 1):
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            step = self._build_step(batch)
+            self._inflight.append(_InFlight(batch, step, self.executor.submit(step)))
+
+    def _build_step(self, batch: MicroBatch) -> StepInput:
+        ids, positions, slots, query_start, seq_lens, tables, rows = [], [], [], [0], [], [], []
+        sampled: list[Sequence] = []
+        for item in batch.seqs:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.block_manager.slot(seq, p) for p in range(start, end))
+            query_start.append(len(ids))
+            seq_lens.append(end)
+            tables.append(list(seq.block_table))
+            if item.sample:
+                rows.append(len(ids) - 1)
+                sampled.append(seq)
+        return StepInput(
+            step_id=next(self._step_ids),
+            input_ids=ids,
+            positions=positions,
+            query_start=query_start,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slots,
+            sample_rows=rows,
+            sampling=_sampling_batch(sampled) if sampled else None,
+            trace=self.trace_steps,
+        )
+
+    def _postprocess(self, batch: MicroBatch, result: StepOutput) -> list[RequestOutput]:
+        self.scheduler.complete(batch)
+        sampled = [item.seq for item in batch.seqs if item.sample]
+        assert len(sampled) == len(result.token_ids), (len(sampled), len(result.token_ids))
+        touched: dict[str, Request] = {}
+        logprobs = result.logprobs or [None] * len(sampled)
+        for seq, token, row_logprobs in zip(sampled, result.token_ids, logprobs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while in flight
+            self._append_token(seq, token, row_logprobs)
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            touched[request.request_id] = request
+        outputs = [self._request_output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, row_logprobs: RowLogprobs | None) -> None:
+        seq.output_token_ids.append(token)
+        if seq.logprobs is not None and row_logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(token, row_logprobs))
+        detokenizer.append_text(self.tokenizer, seq)
+        self._check_stop(seq, token)
+        if seq.finished:
+            self.scheduler.finish(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_out = len(seq.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.finish("stop", token)
+                return
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish("stop", None)
+                return
+            if params.stop_strings and self._truncate_at_stop_string(seq):
+                return
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            seq.finish("length")
+        elif seq.num_tokens >= self.config.model.max_model_len:
+            seq.finish("length")
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence) -> bool:
+        for stop in seq.params.stop_strings:
+            at = seq.text.find(stop)
+            if at >= 0:
+                end = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
+                seq.finish("stop", stop)
+                return True
+        return False
+
+    def _logprob_dict(self, token: int, row: RowLogprobs) -> dict[int, Logprob]:
+        out = {
+            tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, lp) in enumerate(zip(row.top_ids, row.top_logprobs))
+        }
+        if token not in out:
+            out[token] = Logprob(row.sampled_logprob, row.sampled_rank, self.tokenizer.decode([token]))
+        return out
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ]
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             completions, request.finished, metrics)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        return self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+    params = [s.params for s in seqs]
+    penalized = [p.uses_penalties for p in params]
+    return SamplingBatch(
+        temperature=[p.temperature for p in params],
+        top_p=[p.top_p for p in params],
+        top_k=[p.top_k for p in params],
+        min_p=[p.min_p for p in params],
+        seeds=[s.seed for s in seqs],
+        output_index=[len(s.output_token_ids) for s in seqs],
+        num_logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
+        presence_penalty=[p.presence_penalty for p in params],
+        frequency_penalty=[p.frequency_penalty for p in params],
+        repetition_penalty=[p.repetition_penalty for p in params],
+        prompt_tokens=[s.prompt_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
+        output_tokens=[s.output_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
+    )

@@ -1,0 +1,149 @@
+"""Continuous batching: forms one micro-batch per free pipeline slot.
+
+FCFS. Each call to :meth:`Scheduler.schedule` picks sequences that are not
+already in flight: running sequences first (one decode token, or the next chunk
+of a long prompt), then waiting ones while the token, sequence and block budgets
+allow. When blocks run out a running sequence is preempted by recompute (its
+blocks are freed and it re-enters the waiting queue at the front; its output so
+far is kept, so the result is identical to an unpreempted run). A sequence is
+never in two micro-batches at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from raypp.config import SchedulerConfig
+from raypp.engine.block_manager import BlockManager
+from raypp.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    sample: bool  # this chunk reaches the end: a token is sampled
+
+
+@dataclass
+class MicroBatch:
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- forming a micro-batch -------------------------------------------------------------
+    def schedule(self) -> MicroBatch | None:
+        """The next micro-batch of sequences not in flight, or ``None`` if none can run."""
+        slots = self.config.max_inflight or 1
+        active = min(self.num_active, self.config.max_num_seqs)
+        seq_cap = max(1, -(-active // slots))  # spread sequences evenly over the slots
+        token_budget = self.config.max_num_batched_tokens
+        chosen: list[ScheduledSeq] = []
+
+        for seq in list(self.running):
+            if len(chosen) >= seq_cap or token_budget <= 0:
+                break
+            if seq.in_flight or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = self._chunk(seq, token_budget)
+            if not self._reserve(seq, n, chosen):
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted itself
+                break
+            chosen.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            token_budget -= n
+
+        while self.waiting and len(chosen) < seq_cap and token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            n = self._chunk(seq, token_budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            token_budget -= n
+
+        if not chosen:
+            return None
+        for item in chosen:
+            item.seq.in_flight = True
+        return MicroBatch(chosen)
+
+    @staticmethod
+    def _chunk(seq: Sequence, token_budget: int) -> int:
+        # Long prompts are prefilled in chunks that fit the step's token budget.
+        return min(seq.num_uncomputed_tokens, token_budget)
+
+    def _reserve(self, seq: Sequence, n: int, chosen: list[ScheduledSeq]) -> bool:
+        """Allocate blocks for ``n`` more tokens, preempting later arrivals if needed."""
+        if n == 0:
+            return False
+        target = seq.num_computed_tokens + n
+        while not self.blocks.can_allocate(seq, target):
+            victim = self._preemption_victim(exclude={id(s.seq) for s in chosen} | {id(seq)})
+            if victim is None:
+                if not any(s.in_flight for s in self.running) and not chosen:
+                    self._preempt(seq)  # nothing else to take from: wait for room
+                return False
+            self._preempt(victim)
+        self.blocks.allocate(seq, target)
+        return True
+
+    def _preemption_victim(self, exclude: set[int]) -> Sequence | None:
+        for seq in reversed(self.running):  # latest arrival first
+            if not seq.in_flight and id(seq) not in exclude:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- results --------------------------------------------------------------------------
+    def complete(self, batch: MicroBatch) -> None:
+        """Mark a micro-batch's tokens as computed (before appending sampled tokens)."""
+        for item in batch.seqs:
+            item.seq.in_flight = False
+            if item.seq.status is SequenceStatus.RUNNING:
+                item.seq.num_computed_tokens += item.num_tokens

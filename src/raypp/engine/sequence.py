@@ -1,0 +1,84 @@
+"""Request and sequence state, owned by the engine's driver process."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from raypp.outputs import Logprob
+from raypp.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One completion being generated.
+
+    Invariant: the KV of ``all_token_ids[:num_computed_tokens]`` is in the cache
+    blocks listed by ``block_table``; the next step feeds the tokens after that.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    in_flight: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    num_preemptions: int = 0
+    # incremental detokenization
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+@dataclass
+class Request:
+    """A user request: one prompt, ``params.n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

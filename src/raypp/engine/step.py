@@ -1,0 +1,82 @@
+"""The per-step messages between the engine and the stages.
+
+A :class:`StepInput` is the compact descriptor of one micro-batch: flat token
+ids and positions, where those tokens go in the paged cache, and how to sample
+the rows that end a sequence's query. It holds plain Python lists, so it pickles
+small and never aliases a channel buffer. The last stage answers with a
+:class:`StepOutput` of sampled ids (and logprobs when asked), again plain lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling settings, one entry per sampled row (in row order)."""
+
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
+    min_p: list[float]
+    seeds: list[int]
+    # index of the token being sampled within its sequence's output: keys the RNG
+    output_index: list[int]
+    num_logprobs: list[int]  # -1: none
+    presence_penalty: list[float]
+    frequency_penalty: list[float]
+    repetition_penalty: list[float]
+    # token history for penalties; empty list for rows without penalties
+    prompt_tokens: list[list[int]]
+    output_tokens: list[list[int]]
+
+    @property
+    def any_penalties(self) -> bool:
+        return (any(p != 0 for p in self.presence_penalty)
+                or any(p != 0 for p in self.frequency_penalty)
+                or any(p != 1 for p in self.repetition_penalty))
+
+
+@dataclass
+class StepInput:
+    """One micro-batch for all stages (see module docstring)."""
+
+    step_id: int
+    input_ids: list[int]
+    positions: list[int]
+    query_start: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # tokens in context after this step, per sequence
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    sample_rows: list[int]  # flat token indices whose next token is sampled
+    sampling: SamplingBatch | None
+    # test-only tracing: stages record compute intervals when set
+    trace: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class RowLogprobs:
+    """Logprobs at one sampled position: top-N plus the sampled token."""
+
+    top_ids: list[int]
+    top_logprobs: list[float]
+    sampled_logprob: float
+    sampled_rank: int
+
+
+@dataclass
+class StepOutput:
+    """What the last stage returns: one sampled id per sampled row."""
+
+    step_id: int
+    token_ids: list[int]
+    logprobs: list[RowLogprobs | None] = field(default_factory=list)

@@ -1,0 +1,89 @@
+"""Every ``RAYPP_*`` environment variable, typed and documented, in one place.
+
+Values are read when accessed (``envs.RAYPP_STEP_TIMEOUT_S``), so tests and the
+executor may change ``os.environ`` before starting an engine. Ray's own
+compiled-graph knobs (``RAY_CGRAPH_*``) are derived from these in
+:func:`apply_ray_cgraph_env`, which must run before ``ray.dag`` is imported:
+Ray reads them once at import time and silently ignores later changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _bool(name: str, default: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _float(name: str, default: str) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name, default))
+
+
+def _str(name: str, default: str | None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name, default)
+
+
+_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "RAYPP_USE_RAY_WRAPPED_PP_COMM": (
+        _bool("RAYPP_USE_RAY_WRAPPED_PP_COMM", "1"),
+        "1 (default): stage-to-stage tensors ride the engine's PP group through "
+        "RayPPCommunicator. 0: Ray's own transport (its accelerator communicator on "
+        "CUDA, its shared-memory channel on CPU).",
+    ),
+    "RAYPP_PP_LAYER_PARTITION": (
+        _str("RAYPP_PP_LAYER_PARTITION", None),
+        'Explicit layers per stage, e.g. "3,2,2"; must sum to the model\'s layer count.',
+    ),
+    "RAYPP_STEP_TIMEOUT_S": (
+        _float("RAYPP_STEP_TIMEOUT_S", "60"),
+        "Longest wait for one pipeline step's result before the step counts as hung.",
+    ),
+    "RAYPP_DIST_TIMEOUT_S": (
+        _float("RAYPP_DIST_TIMEOUT_S", "60"),
+        "torch.distributed process-group timeout: bounds a receive blocked on a dead peer.",
+    ),
+    "RAYPP_CGRAPH_BUFFER_BYTES": (
+        _float("RAYPP_CGRAPH_BUFFER_BYTES", "8000000"),
+        "Size of each compiled-graph shared-memory channel; must exceed the largest "
+        "non-tensor payload (and the largest tensor when Ray's shm transport is used).",
+    ),
+    "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
+    "RAYPP_FAULT_INJECT": (
+        _str("RAYPP_FAULT_INJECT", None),
+        "Test-only fault injection, off by default: 'raise:<stage>:<step>', "
+        "'sleep:<stage>:<step>:<seconds>' or 'delay_send:<stage>:<seconds>'.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_VARIABLES)
+
+
+def describe() -> dict[str, str]:
+    """Name → one-line description of every variable raypp reads."""
+    return {name: doc for name, (_, doc) in _VARIABLES.items()}
+
+
+def apply_ray_cgraph_env() -> None:
+    """Set Ray Compiled Graph timeouts and buffer size from raypp's variables.
+
+    Must be called before ``ray.dag`` is first imported in this process; worker
+    processes of a local cluster inherit the result. Values a user already set
+    in ``RAY_CGRAPH_*`` are kept.
+    """
+    step_timeout = max(1, round(_VARIABLES["RAYPP_STEP_TIMEOUT_S"][0]()))  # Ray parses ints
+    os.environ.setdefault("RAY_CGRAPH_get_timeout", str(step_timeout))
+    os.environ.setdefault("RAY_CGRAPH_submit_timeout", str(step_timeout))
+    os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
+    buffer = int(_VARIABLES["RAYPP_CGRAPH_BUFFER_BYTES"][0]())
+    os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(buffer))

@@ -1,0 +1,1 @@
+"""Stage workers and the Ray executor that places and drives them."""

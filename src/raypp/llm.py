@@ -1,0 +1,158 @@
+"""The offline API: ``LLM(model, pipeline_parallel_size=…).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from raypp.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raypp.engine.engine import LLMEngine
+from raypp.outputs import RequestOutput
+from raypp.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """A pipeline-parallel model on Ray, for offline batched generation.
+
+    Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
+    Extra keyword arguments configure the KV cache (``block_size``,
+    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``) and the scheduler
+    (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``); unknown
+    ones raise ``TypeError``. Use as a context manager or call :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        ray_address: str | None = None,
+        device: str = "auto",
+        **kwargs: Any,
+    ):
+        cache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(CacheConfig)}
+        sched_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(SchedulerConfig)}
+        if kwargs:
+            raise TypeError(f"LLM() got unknown option(s): {', '.join(sorted(kwargs))}")
+        config = EngineConfig(
+            model=ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            parallel=ParallelConfig(pipeline_parallel_size, tensor_parallel_size, ray_address),
+            cache=CacheConfig(**cache_kwargs),
+            scheduler=SchedulerConfig(**sched_kwargs),
+            device=device,
+        )
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order.
+
+        All prompts are validated before any runs: an invalid one raises
+        ``ValueError`` and nothing is queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        engine = self.engine
+        prepared = [engine._prompt(p) for p in prompts]
+        for _, token_ids in prepared:
+            engine.validate_prompt(token_ids)
+        ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
+        for request_id, (text, token_ids), p in zip(ids, prepared, params):
+            engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template, then generate."""
+        from raypp.entrypoints.chat import render_chat
+
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [render_chat(self.engine.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while len(finished) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(finished):
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy()
+
+    def shutdown(self) -> None:
+        """Tear down the compiled graph and the stage actors (idempotent)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _fields(cls: type) -> set[str]:
+    from dataclasses import fields
+
+    return {f.name for f in fields(cls) if f.init}
+
+
+def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | SequenceABC[SamplingParams] | None,
+                    n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

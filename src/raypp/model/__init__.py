@@ -1,0 +1,1 @@
+"""Model code: layers, the Llama-family stage model, weight loading."""

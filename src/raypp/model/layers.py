@@ -1,0 +1,320 @@
+"""Building blocks of a decoder stage: norms, rotary embedding, TP-aware linear
+layers, and attention over the paged KV cache.
+
+Every parameter carries a ``weight_loader(param, loaded, shard=None)`` so that
+TP slicing (and fused q/k/v, gate/up) lives in the layer, not in the loader.
+Layers get their TP group passed in; none reads topology from globals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TPContext:
+    """This worker's place in its stage's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # GroupCoordinator; None when size == 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else self.group.all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else self.group.all_gather(x, dim=-1)
+
+
+def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+    assert param.shape == loaded.shape, (param.shape, loaded.shape)
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int, dtype: torch.dtype, loader: Any = _default_loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x + residual`` normalized, and the new residual when one is given."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(orig)
+        return out if residual is None else (out, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with ``linear`` and ``llama3`` scaling (as HF)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind not in (None, "default"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+# -- tensor-parallel linear layers ------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W's output rows split over TP ranks (no gather)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype):
+        super().__init__()
+        assert out_features % tp.size == 0, (out_features, tp.size)
+        self.tp = tp
+        self.out_per_rank = out_features // tp.size
+        self.weight = _param(self.out_per_rank, in_features, dtype=dtype, loader=self._load)
+        self.bias = _param(self.out_per_rank, dtype=dtype, loader=self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        start = self.tp.rank * self.out_per_rank
+        param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext,
+                 dtype: torch.dtype):
+        super().__init__(in_features, sum(out_sizes), bias, tp, dtype)
+        self.sizes = [s // tp.size for s in out_sizes]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        size = self.sizes[shard]
+        offset = sum(self.sizes[:shard])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; kv heads are replicated when fewer than TP ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPContext, dtype: torch.dtype):
+        if num_heads % tp.size:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by tp={tp.size}")
+        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by tp={tp.size}")
+        if num_kv_heads < tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"tp={tp.size} is not a multiple of num_key_value_heads={num_kv_heads}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden, out, bias, tp, dtype)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard == "q":
+            offset, size, src = 0, q_size, self.tp.rank * q_size
+        else:
+            offset = q_size if shard == "k" else q_size + kv_size
+            size, src = kv_size, (self.tp.rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_shard W_shardᵀ) + b`` with W's input columns split over TP."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype):
+        super().__init__()
+        assert in_features % tp.size == 0, (in_features, tp.size)
+        self.tp = tp
+        self.in_per_rank = in_features // tp.size
+        self.weight = _param(out_features, self.in_per_rank, dtype=dtype, loader=self._load)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over TP ranks (all-reduced lookup)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.per_rank = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.per_rank
+        self.vocab_size = vocab_size
+        self.weight = _param(self.per_rank, hidden, dtype=dtype, loader=self._load)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        part = loaded[self.start : self.start + self.per_rank]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the (TP-split, then gathered) vocabulary."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_gather(F.linear(hidden, self.weight))
+        return out[:, : self.vocab_size]
+
+
+# -- attention over the paged KV cache ---------------------------------------------------
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live in the paged cache; built once per step.
+
+    ``slot_mapping[i]`` is token i's flat cache slot; sequence j owns query tokens
+    ``query_start[j]:query_start[j+1]`` and has ``seq_lens[j]`` tokens in context
+    (those cached earlier plus this step's).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    decode_only: bool
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64
+
+
+class PagedAttention(nn.Module):
+    """Scaled dot-product attention reading keys/values from the paged cache.
+
+    Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] → out: [tokens, heads * dim]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        block_size = key_cache.shape[1]
+        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_only:
+            out = self._decode(q, key_cache, value_cache, meta, block_size)
+        else:
+            out = self._varlen(q, key_cache, value_cache, meta, block_size)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        # One query token per sequence: gather each sequence's blocks, mask the padding.
+        num_seqs, max_blocks = meta.block_tables.shape
+        length = max_blocks * block_size
+        keys = key_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
+        values = value_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
+        mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens_tensor[:, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [seqs, heads, 1, dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out[:, :, 0, :]
+
+    def _varlen(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        outs = []
+        for j, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start[j], meta.query_start[j + 1]
+            num_blocks = -(-seq_len // block_size)
+            table = meta.block_tables[j, :num_blocks]
+            keys = key_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            values = value_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            outs.append(self._causal(q[start:end], keys, values, seq_len))
+        return torch.cat(outs, dim=0)
+
+    def _causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                seq_len: int) -> torch.Tensor:
+        # q: [q_len, heads, dim] are the last q_len positions of a seq_len context.
+        q_len = q.shape[0]
+        gqa = self.num_heads != self.num_kv_heads
+        if q_len == seq_len:
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,190 @@
+"""Llama-family decoder (Llama, Qwen2) holding only one pipeline stage's layers.
+
+Layers a stage does not own are absent, not zero: their parameters are never
+allocated or read. The first stage owns the embedding, the last the final norm
+and LM head. Parameter names match Hugging Face checkpoints
+(``model.layers.<global index>.…``) so the loader maps names one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raypp.model.layers import (
+    AttentionMetadata,
+    MergedColumnParallelLinear,
+    PagedAttention,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which global layers ``[start, end)`` a stage owns, and its ends."""
+
+    start: int
+    end: int
+    is_first: bool
+    is_last: bool
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        llama_bias = bool(cfg.get("attention_bias", False))
+        qwen2 = cfg.get("model_type") == "qwen2"  # Qwen2: bias on q/k/v only
+        self.self_attn = Attention(
+            cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype
+        )
+        self.mlp = MLP(hidden, cfg["intermediate_size"], tp, dtype)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, o_bias, tp, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.rotary = RotaryEmbedding(
+            head_dim,
+            cfg.get("max_position_embeddings", 2048),
+            float(cfg.get("rope_theta", 10000.0)),
+            cfg.get("rope_scaling"),
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # hidden: [tokens, hidden]
+        qkv = self.qkv_proj(hidden)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaStageModel(nn.Module):
+    """One stage of a Llama-family model.
+
+    ``forward`` takes token ids (first stage) or the previous stage's
+    ``hidden_states``/``residual`` and returns the same pair, except on the last
+    stage, which returns final normalized hidden states of the requested rows.
+    """
+
+    # checkpoint sub-name → (our fused parameter, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: dict, stage: StageSpec, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        self.model = nn.Module()
+        if stage.is_first:
+            self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp, dtype)
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, tp, dtype) for i in range(stage.start, stage.end)}
+        )
+        if stage.is_last:
+            self.model.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
+            self.lm_head = ParallelLMHead(vocab, hidden, tp, dtype)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(range(self.stage.start, self.stage.end))
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.stage.is_first:
+            hidden_states = self.model.embed_tokens(input_ids)
+            residual = None
+        for cache, layer in zip(kv_caches, self.model.layers.values()):
+            hidden_states, residual = layer(positions, hidden_states, residual, cache, meta)
+        if self.stage.is_last:
+            hidden_states, _ = self.model.norm(hidden_states, residual)
+            return hidden_states, None
+        return hidden_states, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden).float()
+
+    def checkpoint_names(self, name: str) -> list[tuple[str, str, object]]:
+        """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
+        if name == "lm_head.weight":
+            return [("lm_head.weight", None)] if self.stage.is_last else []
+        if name == "model.embed_tokens.weight":
+            out = [(name, None)] if self.stage.is_first else []
+            if self.stage.is_last and self.tie_word_embeddings:
+                out.append(("lm_head.weight", None))
+            return out
+        if name.startswith("model.norm."):
+            return [(name, None)] if self.stage.is_last else []
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if not self.stage.start <= layer < self.stage.end:
+                return []
+            for sub, (fused, shard) in self.stacked_params.items():
+                if f".{sub}." in name:
+                    return [(name.replace(f".{sub}.", f".{fused}."), shard)]
+            return [(name, None)]
+        return []  # e.g. rotary inv_freq buffers stored by old checkpoints

@@ -1,0 +1,131 @@
+"""Write tiny, deterministic Hugging Face–format checkpoints for tests.
+
+The directory is what a real checkpoint looks like: ``config.json``, safetensors
+weights written by ``transformers``' own ``save_pretrained`` (single file or
+sharded with an index), and a ``tokenizer.json`` trained with ``tokenizers`` on
+``data/corpus.txt`` (an excerpt of the CPython documentation, PSF licence).
+Weights are drawn large enough that every layer changes the argmax: with tiny
+default init a model merely echoes its input and tests could not fail.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+_SPECIAL = ["<s>", "</s>", "<pad>"]
+
+
+@dataclass
+class TinyModelSpec:
+    architecture: str = "llama"  # "llama" | "qwen2"
+    vocab_size: int = 384
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    seed: int = 0
+    max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
+    dtype: str = "float32"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def train_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on the shipped corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text().split("\n\n"), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def make_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, **overrides: Any) -> Path:
+    """Write a checkpoint to ``path`` (created) and return it."""
+    import torch
+    import transformers
+
+    spec = spec or TinyModelSpec(**overrides)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(spec.vocab_size)
+    vocab = len(tokenizer)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec.extra_config,
+    )
+    if spec.rope_scaling is not None:
+        common["rope_scaling"] = spec.rope_scaling
+    if spec.architecture == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    elif spec.architecture == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(f"unknown tiny architecture {spec.architecture!r}")
+    torch.manual_seed(spec.seed)
+    model = model_cls(config)
+    _init_weights(model, spec.seed)
+    model = model.to(getattr(torch, spec.dtype))
+    kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer.save_pretrained(path)
+    _drop_generation_defaults(path)
+    return path
+
+
+def _init_weights(model: Any, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                std = 1.5 / param.shape[-1] ** 0.5
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+
+
+def _drop_generation_defaults(path: Path) -> None:
+    """Keep only eos/bos in generation_config.json so HF's greedy is plain argmax."""
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        data = json.loads(gen.read_text())
+        keep = {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in data}
+        gen.write_text(json.dumps(keep, indent=2))
