@@ -1,0 +1,1 @@
+"""Benchmarks: communicator hops, throughput, latency, pipeline timelines."""
