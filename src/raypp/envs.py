@@ -50,6 +50,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Size of each compiled-graph shared-memory channel; must exceed the largest "
         "non-tensor payload (and the largest tensor when Ray's shm transport is used).",
     ),
+    "RAYPP_TRACE_COMM": (
+        _bool("RAYPP_TRACE_COMM", "0"),
+        "1: stage actors record the wall-clock interval of every RayPPCommunicator "
+        "send/recv (for benchmark timelines); read when a compiled graph is built. "
+        "Off by default (then the hooks cost one attribute check).",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),
