@@ -33,6 +33,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "RayPPCommunicator. 0: Ray's own transport (its accelerator communicator on "
         "CUDA, its shared-memory channel on CPU).",
     ),
+    "RAYPP_CONTROL_PLANE": (
+        _str("RAYPP_CONTROL_PLANE", "cgraph"),
+        "How steps reach the stages: 'cgraph' (default) drives them through a Ray "
+        "compiled graph; 'direct' runs a loop in each stage that takes step descriptors "
+        "from a ZeroMQ queue and moves tensors with the PP group's send/recv.",
+    ),
     "RAYPP_PP_LAYER_PARTITION": (
         _str("RAYPP_PP_LAYER_PARTITION", None),
         'Explicit layers per stage, e.g. "3,2,2"; must sum to the model\'s layer count.',

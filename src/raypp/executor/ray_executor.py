@@ -11,6 +11,7 @@ transport when ``RAYPP_USE_RAY_WRAPPED_PP_COMM=0``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import uuid
@@ -53,30 +54,37 @@ def ensure_ray(address: str | None) -> None:
         )
 
 
-class RayExecutor:
-    """Owns the stage actors and the compiled graph of one engine."""
+class StageActors:
+    """The stage actors of one engine, ready to run steps; shared by both control planes.
 
-    def __init__(self, config: EngineConfig):
+    :meth:`start`: placement group (one bundle per worker) → actors named
+    ``raypp_worker_<pp_rank>_<tp_rank>`` in ``namespace`` → ``torch.distributed``
+    groups → model shards → KV cache sized to the smallest stage budget. It knows
+    nothing about how steps reach the stages. :meth:`kill` is idempotent and
+    undoes whatever part of :meth:`start` ran.
+    """
+
+    def __init__(self, config: EngineConfig, namespace: str):
         self.config = config
-        pc = config.parallel
-        self.pp_size, self.tp_size = pc.pipeline_parallel_size, pc.tensor_parallel_size
-        self.use_wrapped_comm = envs.RAYPP_USE_RAY_WRAPPED_PP_COMM
-        self.namespace = f"raypp-{uuid.uuid4().hex[:8]}"
-        self.dag: Any = None
+        self.namespace = namespace
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.tp_size = config.parallel.tensor_parallel_size
         self.workers: list[list[Any]] = []  # [pp_rank][tp_rank]
-        self._pg = None
-        ensure_ray(pc.ray_address)
-        try:
-            self._start_workers()
-            self.num_kv_blocks = self._init_workers()
-            self._compile()
-        except BaseException:
-            self.shutdown()
-            raise
-        _LIVE.add(self)
+        self.load_info: list[dict[str, Any]] = []
+        self.num_kv_blocks = 0
+        self._pg: Any = None
 
-    # -- start-up ----------------------------------------------------------------------
-    def _start_workers(self) -> None:
+    @property
+    def all_workers(self) -> list[Any]:
+        return [w for lane in self.workers for w in lane]
+
+    def start(self) -> int:
+        """Create, connect and load every worker; returns the KV blocks per stage."""
+        self._create_actors()
+        self.num_kv_blocks = self._init_workers()
+        return self.num_kv_blocks
+
+    def _create_actors(self) -> None:
         on_gpu = self.config.device == "cuda"
         bundle = {"GPU": 1, "CPU": _WORKER_CPUS} if on_gpu else {"CPU": _WORKER_CPUS}
         world = self.pp_size * self.tp_size
@@ -85,7 +93,8 @@ class RayExecutor:
         env = {k: v for k, v in os.environ.items() if k.startswith(("RAYPP_", "RAY_CGRAPH_"))}
         actor_cls = ray.remote(StageWorker)
         for pp_rank in range(self.pp_size):
-            lane = []
+            lane: list[Any] = []
+            self.workers.append(lane)  # in place, so kill() sees partial start-ups
             for tp_rank in range(self.tp_size):
                 rank = pp_rank * self.tp_size + tp_rank
                 lane.append(
@@ -100,18 +109,13 @@ class RayExecutor:
                         runtime_env={"env_vars": env},
                     ).remote(self.config, pp_rank, tp_rank)
                 )
-            self.workers.append(lane)
-
-    @property
-    def all_workers(self) -> list[Any]:
-        return [w for lane in self.workers for w in lane]
 
     def _init_workers(self) -> int:
         init_method = ray.get(self.workers[0][0].rendezvous_address.remote(),
                               timeout=_STARTUP_TIMEOUT_S)
-        self._gather([w.init_distributed.remote(init_method) for w in self.all_workers])
-        self.load_info = self._gather([w.load_model.remote() for w in self.all_workers])
-        num_blocks = min(self._gather([w.available_kv_blocks.remote() for w in self.all_workers]))
+        self.gather([w.init_distributed.remote(init_method) for w in self.all_workers])
+        self.load_info = self.gather([w.load_model.remote() for w in self.all_workers])
+        num_blocks = min(self.gather([w.available_kv_blocks.remote() for w in self.all_workers]))
         need = -(-self.config.model.max_model_len // self.config.cache.block_size)
         if num_blocks < need:
             raise ValueError(
@@ -119,11 +123,56 @@ class RayExecutor:
                 f"({self.config.model.max_model_len}) sequence needs {need}: raise the KV "
                 "memory budget or lower max_model_len"
             )
-        self._gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
+        self.gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
         return num_blocks
 
-    def _gather(self, refs: list[Any]) -> list[Any]:
+    @staticmethod
+    def gather(refs: list[Any]) -> list[Any]:
         return ray.get(refs, timeout=_STARTUP_TIMEOUT_S)
+
+    def kill(self) -> None:
+        """Kill the workers and free the placement group (idempotent)."""
+        for worker in self.all_workers:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(worker, no_restart=True)
+        self.workers.clear()
+        if self._pg is not None:
+            with contextlib.suppress(Exception):  # the cluster may be gone at exit
+                remove_placement_group(self._pg)
+            self._pg = None
+
+
+class RayExecutor:
+    """Owns the stage actors and the compiled graph of one engine."""
+
+    control_plane = "cgraph"
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        pc = config.parallel
+        self.pp_size, self.tp_size = pc.pipeline_parallel_size, pc.tensor_parallel_size
+        self.use_wrapped_comm = envs.RAYPP_USE_RAY_WRAPPED_PP_COMM
+        self.namespace = f"raypp-{uuid.uuid4().hex[:8]}"
+        self.dag: Any = None
+        self._actors = StageActors(config, self.namespace)
+        self.workers = self._actors.workers  # [pp_rank][tp_rank]
+        ensure_ray(pc.ray_address)
+        try:
+            self.num_kv_blocks = self._actors.start()
+            self.load_info = self._actors.load_info
+            self._compile()
+        except BaseException:
+            self.shutdown()
+            raise
+        _LIVE.add(self)
+
+    # -- start-up ----------------------------------------------------------------------
+    @property
+    def all_workers(self) -> list[Any]:
+        return self._actors.all_workers
+
+    def _gather(self, refs: list[Any]) -> list[Any]:
+        return self._actors.gather(refs)
 
     def _compile(self) -> None:
         from ray.dag import InputNode
@@ -198,18 +247,8 @@ class RayExecutor:
             except Exception as e:  # noqa: BLE001 - teardown must finish
                 logger.warning("compiled graph teardown: %s", e)
             self.dag = None
-        for worker in self.all_workers:
-            try:
-                ray.kill(worker, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+        self._actors.kill()
         self.workers = []
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001 - cluster may be gone at exit
-                pass
-            self._pg = None
 
 
 _LIVE: weakref.WeakSet[RayExecutor] = weakref.WeakSet()
