@@ -30,3 +30,15 @@ def append_text(tokenizer: Any, seq: Sequence) -> str:
     seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
     seq.text += delta
     return delta
+
+
+def flush(tokenizer: Any, seq: Sequence) -> None:
+    """Release held-back text once a sequence ends (incomplete bytes decode to U+FFFD)."""
+    ids = seq.all_token_ids
+    if seq.read_offset >= len(ids):
+        return
+    skip = seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    seq.text += full[len(prefix) :]
+    seq.prefix_offset = seq.read_offset = len(ids)

@@ -32,6 +32,17 @@ _SEED_MASK = (1 << 63) - 1
 
 
 @dataclass
+class EngineStats:
+    """Cumulative counters since start-up."""
+
+    steps: int = 0
+    tokens_processed: int = 0  # tokens fed through the pipeline (prefill + decode)
+    tokens_generated: int = 0
+    step_time_s: float = 0.0  # wall time waiting on step results
+    overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
+
+
+@dataclass
 class _InFlight:
     batch: MicroBatch
     step: StepInput
@@ -56,6 +67,7 @@ class LLMEngine:
         self._step_ids = itertools.count()
         self._seed_rng = random.Random(config.model.seed)
         self.trace_steps = False
+        self.stats = EngineStats()
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -132,12 +144,22 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance the pipeline by one micro-batch; outputs of requests it touched."""
+        started = time.perf_counter()
         self._fill_pipeline()
         if not self._inflight:
             return []
         item = self._inflight.popleft()
+        waited = time.perf_counter()
         result: StepOutput = self.executor.result(item.handle)
-        return self._postprocess(item.batch, result)
+        got = time.perf_counter()
+        outputs = self._postprocess(item.batch, result)
+        stats = self.stats
+        stats.steps += 1
+        stats.tokens_processed += item.step.num_tokens
+        stats.tokens_generated += len(result.token_ids)
+        stats.step_time_s += got - waited
+        stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
+        return outputs
 
     def _fill_pipeline(self) -> None:
         while len(self._inflight) < (self.config.scheduler.max_inflight or 1):
@@ -204,6 +226,8 @@ class LLMEngine:
         detokenizer.append_text(self.tokenizer, seq)
         self._check_stop(seq, token)
         if seq.finished:
+            if not isinstance(seq.stop_reason, str):  # not cut at a stop string
+                detokenizer.flush(self.tokenizer, seq)
             self.scheduler.finish(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

@@ -223,6 +223,15 @@ class RayExecutor:
     def comm_stats(self) -> list[dict[str, Any]]:
         return self._gather([lane[0].comm_stats.remote() for lane in self.workers])
 
+    def graph_communicators(self) -> dict[str, Any]:
+        """Which communicators the compiled graph uses: ours, and any Ray created."""
+        if self.dag is None:
+            return {"custom": [], "ray_created": []}
+        return {
+            "custom": [type(c).__name__ for c in self.dag._communicator_to_type_hints],
+            "ray_created": list(self.dag._actors_to_created_communicator_id.values()),
+        }
+
     def traced_intervals(self) -> list[tuple[int, float, float]]:
         out = []
         for intervals in self._gather([w.traced_intervals.remote() for w in self.all_workers]):

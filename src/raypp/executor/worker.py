@@ -169,6 +169,12 @@ class StageWorker:
         return {"pp_rank": self.pp_rank, "sends": stats.sends, "recvs": stats.recvs,
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
 
+    def channel_communicators(self) -> list[str]:
+        """Type names of the communicators Ray's channels use in this actor."""
+        from ray.experimental.channel import ChannelContext
+
+        return [type(c).__name__ for c in ChannelContext.get_current().communicators.values()]
+
     def traced_intervals(self) -> list[tuple[int, float, float]]:
         out, self.timeline = list(self.timeline), []
         return out

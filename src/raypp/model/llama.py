@@ -76,11 +76,9 @@ class Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
+        theta, scaling = rope_settings(cfg)
         self.rotary = RotaryEmbedding(
-            head_dim,
-            cfg.get("max_position_embeddings", 2048),
-            float(cfg.get("rope_theta", 10000.0)),
-            cfg.get("rope_scaling"),
+            head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
 
@@ -96,6 +94,20 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """``(rope_theta, scaling)`` from either config style.
+
+    Older checkpoints have top-level ``rope_theta`` and ``rope_scaling``;
+    transformers >= 5 writes both into ``rope_parameters``.
+    """
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta") or params.pop("rope_theta", None) or 10000.0
+    scaling = cfg.get("rope_scaling") or params or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
 
 
 class MLP(nn.Module):

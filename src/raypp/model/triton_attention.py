@@ -1,0 +1,301 @@
+"""Attention over the paged KV cache on CUDA: Triton kernels plus an SDPA prefill.
+
+Cache layout per layer (as :class:`raypp.model.layers.PagedAttention`):
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+
+- :func:`store_kv` writes this step's keys/values into their cache slots in one
+  launch; a slot of ``-1`` is skipped (CUDA-graph padding rows use it).
+- :func:`paged_decode` is flash-decoding over the block table: each program
+  takes one (sequence, kv head, split of the context) and all query heads of
+  that kv head's GQA group, reads the keys/values of its blocks in place (no
+  gather into a contiguous copy) and keeps an online softmax in fp32; a second
+  kernel combines the splits. A row with context length 0 gives zeros.
+- :func:`paged_attention` is the whole layer step: store, then the decode kernel
+  for one-token rows and ``scaled_dot_product_attention`` (flash / efficient
+  backends) per multi-token sequence.
+
+Everything here is capturable in a CUDA graph when ``meta.decode_only``: no host
+synchronization, and launch shapes depend only on tensor shapes, never values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # context tokens per inner iteration of the decode kernel
+MIN_SPLIT_TOKENS = 64  # a split never covers fewer tokens than this
+MAX_SPLITS = 32
+_SPLITS_PAD = 32  # combine kernel reads up to this many splits (masked)
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                     stride_k, stride_v, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    mask = (offs < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
+    tl.store(key_cache_ptr + slot * ROW + offs, k, mask=mask)
+    tl.store(value_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale, part_tokens, num_splits,
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start = split * part_tokens
+    end = tl.minimum(start + part_tokens, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    table = block_tables_ptr + seq * stride_bt
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        toks = n0 + tl.arange(0, BLOCK)
+        t_mask = toks < end
+        page = tl.load(table + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slots = page * BLOCK_SIZE + toks % BLOCK_SIZE
+        kv_offs = slots[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if IEEE:  # fp32 models: exact fp32 products, not tf32
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(t_mask[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SINGLE:
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / denom[:, None]
+        o_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * DIM_PAD + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+                    stride_ot, stride_oh, NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: all weights 0
+    w = tl.exp(m - m_max)
+    total = tl.sum(l_part * w, axis=0)
+    offs_d = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_out_ptr + part[:, None] * DIM_PAD + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# -- launchers -----------------------------------------------------------------------------
+
+
+def _pad(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # Triton's interpreter (tests on CPU): behave like an H100/H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Context splits per (sequence, kv head): enough programs for ~2 waves of the GPU.
+
+    Depends only on shapes, so a captured graph keeps its launch grid.
+    """
+    want = -(-2 * _sm_count(device) // max(1, num_seqs * num_kv_heads))
+    most = max(1, -(-max_tokens // MIN_SPLIT_TOKENS))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache[slot_mapping[i]] = k[i], v[i]``; rows whose slot is negative are skipped."""
+    # k, v: [tokens, kv_heads, dim] (each token's heads contiguous); caches contiguous
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] else k.contiguous()
+    v = v if v.stride(-1) == 1 and v.stride(-2) == v.shape[-1] else v.contiguous()
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(tokens,)](
+        k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+    )
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 splits: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its whole cached context.
+
+    ``q``: [seqs, heads, dim]; ``block_tables``: [seqs, width] (int32/int64);
+    ``seq_lens``: [seqs] context lengths, this step's token included (0: a
+    padding row, output zeros). Returns [seqs, heads, dim] in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    assert q.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    group = num_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * block_size
+    if splits is None:
+        splits = num_splits(num_seqs, num_kv_heads, max_tokens, q.device)
+    part_tokens = -(-max_tokens // splits)
+    part_tokens = -(-part_tokens // BLOCK_N) * BLOCK_N
+    dim_pad = _pad(head_dim)
+    single = splits == 1
+    if single:
+        part_out = part_max = part_sum = out  # unused
+    else:
+        part_out = torch.empty(num_seqs * num_heads * splits, dim_pad, dtype=torch.float32,
+                               device=q.device)
+        part_max = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32,
+                               device=q.device)
+        part_sum = torch.empty_like(part_max)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, key_cache, value_cache, block_tables, seq_lens,
+        out, part_out, part_max, part_sum,
+        scale, part_tokens, splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=BLOCK_N,
+        SINGLE=single, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    if not single:
+        assert splits <= _SPLITS_PAD
+        _combine_kernel[(num_seqs, num_heads)](
+            part_out, part_max, part_sum, out, splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, SPLITS_PAD=_SPLITS_PAD, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+            num_warps=2,
+        )
+    return out
+
+
+# -- the layer step ------------------------------------------------------------------------
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta, scale: float) -> torch.Tensor:
+    """Store this step's k/v, then attend; returns [tokens, heads * dim].
+
+    ``meta`` is a :class:`raypp.model.layers.AttentionMetadata`. With
+    ``meta.decode_only`` only tensors of ``meta`` are read (graph-capturable);
+    otherwise its Python lists drive a per-sequence prefill.
+    """
+    # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    if meta.decode_only:
+        out = paged_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens_tensor,
+                           scale)
+    else:
+        out = _mixed(q, k, v, key_cache, value_cache, meta, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """One-token rows through the decode kernel (one launch); longer queries through SDPA."""
+    starts = meta.query_start
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    out = torch.empty_like(q)
+    single = [j for j, n in enumerate(query_lens) if n == 1]
+    if single:
+        rows = torch.tensor(single, dtype=torch.int64, device="cpu").to(q.device, non_blocking=True)
+        tokens = torch.tensor([starts[j] for j in single], dtype=torch.int64,
+                              device="cpu").to(q.device, non_blocking=True)
+        out[tokens] = paged_decode(q.index_select(0, tokens), key_cache, value_cache,
+                                   meta.block_tables.index_select(0, rows),
+                                   meta.seq_lens_tensor.index_select(0, rows), scale)
+    block_size = key_cache.shape[1]
+    for j, n in enumerate(query_lens):
+        if n <= 1:
+            continue
+        start, end, seq_len = starts[j], starts[j + 1], meta.seq_lens[j]
+        if n == seq_len:  # the whole context is this step's: use k/v as computed
+            keys, values = k[start:end], v[start:end]
+        else:  # a later prefill chunk: this sequence's blocks (and only its) from the cache
+            table = meta.block_tables[j, : -(-seq_len // block_size)]
+            keys = key_cache[table].flatten(0, 1)[:seq_len]
+            values = value_cache[table].flatten(0, 1)[:seq_len]
+        out[start:end] = _causal_sdpa(q[start:end], keys, values, scale)
+    return out
+
+
+def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    # q: [q_len, heads, dim] are the last q_len positions of keys/values: [kv_len, kv_heads, dim]
+    q_len, kv_len = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:  # expand GQA so the flash backend applies
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    mask = None
+    if q_len != kv_len:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale,
+    )
+    return out[0].transpose(0, 1)

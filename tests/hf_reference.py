@@ -1,0 +1,53 @@
+"""The reference nobody here wrote: Hugging Face transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+@cache
+def _hf_model(model_dir: str):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt (token ids), stopping at EOS like HF does."""
+    model = _hf_model(str(model_dir))
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.pad_token_id,
+            )
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def hf_logits(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
+    """Next-token logits at every position of ``ids``: [len(ids), vocab]."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Prompts of exactly the given token lengths, cut from the shipped corpus."""
+    from raypp.testing.tiny_model import CORPUS
+
+    ids = tokenizer.encode(CORPUS.read_text()[:20000])
+    out, start = [], 0
+    for n in lengths:
+        out.append(ids[start:start + n])
+        start += n + 7
+    return out
