@@ -148,9 +148,17 @@ def _make_llm(args: argparse.Namespace) -> Any:
     from raypp import LLM
     from raypp.entrypoints.cli import engine_kwargs, resolve_model
 
-    if args.timeline:
-        os.environ["RAYPP_TRACE_COMM"] = "1"  # read by the stage actors at start-up
-    return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
+    if not args.timeline:
+        return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
+    previous = os.environ.get("RAYPP_TRACE_COMM")
+    os.environ["RAYPP_TRACE_COMM"] = "1"  # copied to the stage actors at start-up
+    try:
+        return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
+    finally:
+        if previous is None:
+            del os.environ["RAYPP_TRACE_COMM"]
+        else:
+            os.environ["RAYPP_TRACE_COMM"] = previous
 
 
 def _requests(args: argparse.Namespace, engine: Any) -> list[BenchRequest]:
@@ -167,7 +175,14 @@ def _warm_up(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], 
         return
     warm = [BenchRequest(r.prompt_token_ids, min(4, r.output_len)) for r in requests[:n]]
     drive(engine, recorder, warm, len(warm), prefix="warmup")
-    engine.executor.traced_intervals()  # discard
+    _discard_traces(engine)
+
+
+def _discard_traces(engine: Any) -> None:
+    from raypp.bench.timeline import drain_stage_comm
+
+    engine.executor.traced_intervals()
+    drain_stage_comm(engine.executor)
 
 
 def _stage_pids(engine: Any) -> dict[str, int]:
@@ -292,7 +307,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         _warm_up(engine, recorder, requests, args.num_warmup)
         for i in range(args.num_iters_warmup):
             drive(engine, recorder, requests, len(requests), prefix=f"lat-warm{i}")
-        engine.executor.traced_intervals()
+        _discard_traces(engine)
         recorder.clear()
         meter = CpuMeter.with_driver(_stage_pids(engine))
         engine.trace_steps = True

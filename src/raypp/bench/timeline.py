@@ -93,9 +93,10 @@ def collect(executor: Any, recorder: Any) -> Timeline:
         ids = [s.step_id for s in traced] if len(traced) == len(intervals) else []
         for i, (start, end) in enumerate(intervals):
             tl.compute.append((stage, ids[i] if ids else -1, start, end))
+    lo, hi = tl.start, tl.end  # keep only traffic of the recorded run
     for stage, events in enumerate(drain_stage_comm(executor)):
         tl.comm += [(stage, op, peer, start, end, nbytes)
-                    for op, peer, start, end, nbytes in events]
+                    for op, peer, start, end, nbytes in events if end >= lo and start <= hi]
     return tl
 
 
