@@ -57,7 +57,7 @@ class ModelConfig:
                 f"model {self.model!r} has architectures {archs}; raypp supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        self.torch_dtype  # validates dtype
+        _ = self.torch_dtype  # validates dtype
         limit = self.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit

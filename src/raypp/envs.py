@@ -62,6 +62,16 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "send/recv (for benchmark timelines); read when a compiled graph is built. "
         "Off by default (then the hooks cost one attribute check).",
     ),
+    "RAYPP_API_KEY": (
+        _str("RAYPP_API_KEY", None),
+        "API key `raypp serve` requires on /v1/* (as 'Authorization: Bearer KEY') when "
+        "--api-key is not given; unset: no key.",
+    ),
+    "RAYPP_ENFORCE_EAGER": (
+        _bool("RAYPP_ENFORCE_EAGER", "0"),
+        "1: never capture CUDA graphs; decode steps on CUDA run eagerly (debugging, "
+        "comparison). 0 (default): decode steps replay graphs captured at start-up.",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),

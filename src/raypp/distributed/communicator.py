@@ -9,6 +9,7 @@ ranks *within the group*.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,10 +177,8 @@ class GroupCoordinator:
 
     def destroy(self) -> None:
         for group in (self.device_group, self.cpu_group):
-            try:
+            with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
                 dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):
-                pass  # already gone with the default group
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ with tp=2, pp=2 gives TP groups [0,1], [2,3] and PP groups [0,2], [1,3].
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,7 +92,5 @@ def destroy_distributed() -> None:
     global _WORLD, _TP, _PP
     _WORLD = _TP = _PP = None
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):
             dist.destroy_process_group()
-        except (RuntimeError, ValueError):
-            pass

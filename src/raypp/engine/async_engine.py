@@ -257,10 +257,9 @@ class AsyncLLMEngine:
             if not stream.put(out) and not out.finished:
                 self._abort(out.request_id)
         self._publish(idle=False)
-        if not outputs and not self.engine._inflight:
-            # Requests exist but none could be scheduled: wait for a command instead of spinning.
-            if self._wakeup.wait(_STUCK_WAIT_S):
-                self._wakeup.clear()
+        # Requests exist but none could be scheduled: wait for a command instead of spinning.
+        if not outputs and not self.engine._inflight and self._wakeup.wait(_STUCK_WAIT_S):
+            self._wakeup.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every in-flight request with ``exc`` and forget it (its blocks are freed).

@@ -242,9 +242,8 @@ class LLMEngine:
                 return
             if params.stop_strings and self._truncate_at_stop_string(seq):
                 return
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            seq.finish("length")
-        elif seq.num_tokens >= self.config.model.max_model_len:
+        at_max = params.max_tokens is not None and num_out >= params.max_tokens
+        if at_max or seq.num_tokens >= self.config.model.max_model_len:
             seq.finish("length")
 
     @staticmethod

@@ -39,9 +39,9 @@ class ServerMetrics:
         self.http_requests = Counter(
             "raypp_http_requests", "HTTP requests by endpoint and status code",
             ["endpoint", "status"], registry=r)
-        self.requests_finished = Counter(
-            "raypp_requests_finished", "Engine requests by outcome: stop, length, abort "
-            "(client went away), error", ["finish_reason"], registry=r)
+        self.completions_finished = Counter(
+            "raypp_completions_finished", "Completions (n per prompt) by outcome: stop, length, "
+            "abort (the client went away), error", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(
             "raypp_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(
@@ -120,6 +120,6 @@ class RequestTracker:
             return
         self._finished = True
         for reason in reasons:
-            self.m.requests_finished.labels(finish_reason=reason or "abort").inc()
+            self.m.completions_finished.labels(finish_reason=reason or "abort").inc()
         if self._first_token is not None and all(r in ("stop", "length") for r in reasons):
             self.m.e2e.observe(time.monotonic() - self.arrival)

@@ -229,11 +229,12 @@ class _Handlers:
                 for i, prompt in enumerate(job.prompts)]
         failed = False
         try:
-            async for i, out in _merge(gens):
-                job.tracker.update(out, i)
-                for c in out.outputs:
-                    job.final[(i, c.index)] = c
-                yield i, out
+            async with contextlib.aclosing(_merge(gens)) as merged:
+                async for i, out in merged:
+                    job.tracker.update(out, i)
+                    for c in out.outputs:
+                        job.final[(i, c.index)] = c
+                    yield i, out
         except Exception:
             failed = True
             raise
@@ -246,8 +247,9 @@ class _Handlers:
         """Run ``job`` to completion; False if the client went away first (then aborted)."""
 
         async def drain() -> None:
-            async for _ in self._outputs(job):
-                pass
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for _ in outputs:
+                    pass
 
         try:
             return await _unless_disconnected(request, drain())
@@ -309,18 +311,20 @@ class _Handlers:
                 for k in range(job.params.n):
                     deltas.get(i, k).text_offset = len(text)
                     yield chunk([p.CompletionChoice(index=job.choice_index(i, k), text=text)])
-        async for i, out in self._outputs(job):
-            for c in out.outputs:
-                step = deltas.get(i, c.index).advance(c)
-                if step is None:
-                    continue
-                text, start, end = step
-                logprobs = None
-                if req.logprobs is not None:
-                    d = deltas.get(i, c.index)
-                    logprobs, d.text_offset = _completion_logprobs(c, start, end, d.text_offset)
-                yield chunk([p.CompletionChoice(index=job.choice_index(i, c.index), text=text,
-                                                logprobs=logprobs, finish_reason=c.finish_reason)])
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for i, out in outputs:
+                for c in out.outputs:
+                    step = deltas.get(i, c.index).advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    logprobs = None
+                    if req.logprobs is not None:
+                        d = deltas.get(i, c.index)
+                        logprobs, d.text_offset = _completion_logprobs(c, start, end, d.text_offset)
+                    choice = p.CompletionChoice(index=job.choice_index(i, c.index), text=text,
+                                                logprobs=logprobs, finish_reason=c.finish_reason)
+                    yield chunk([choice])
         if req.include_usage_in_stream:
             yield chunk([], job.usage())
 
@@ -373,15 +377,17 @@ class _Handlers:
         for k in range(job.params.n):
             yield chunk([p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant",
                                                                          content=""))])
-        async for _, out in self._outputs(job):
-            for c in out.outputs:
-                step = deltas.get(0, c.index).advance(c)
-                if step is None:
-                    continue
-                text, start, end = step
-                logprobs = _chat_logprobs(c, start, end, top) if req.logprobs else None
-                yield chunk([p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(content=text),
-                                               logprobs=logprobs, finish_reason=c.finish_reason)])
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for _, out in outputs:
+                for c in out.outputs:
+                    step = deltas.get(0, c.index).advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    logprobs = _chat_logprobs(c, start, end, top) if req.logprobs else None
+                    choice = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(content=text),
+                                               logprobs=logprobs, finish_reason=c.finish_reason)
+                    yield chunk([choice])
         if req.include_usage_in_stream:
             yield chunk([], job.usage())
 
@@ -512,7 +518,8 @@ def _completion_logprobs(c: CompletionOutput, start: int, end: int,
                          offset: int) -> tuple[p.CompletionLogprobs, int]:
     """OpenAI's legacy format for tokens ``[start, end)``; also the next text offset."""
     out = p.CompletionLogprobs()
-    for token, candidates in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+    for token, candidates in zip(c.token_ids[start:end], (c.logprobs or [])[start:end],
+                                 strict=False):
         chosen = candidates[token]
         text = chosen.decoded_token or ""
         out.tokens.append(text)
@@ -528,7 +535,8 @@ def _completion_logprobs(c: CompletionOutput, start: int, end: int,
 
 def _chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> p.ChatLogprobs:
     content = []
-    for token, candidates in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+    for token, candidates in zip(c.token_ids[start:end], (c.logprobs or [])[start:end],
+                                 strict=False):
         chosen = candidates[token]
         alternatives = [
             p.TopLogprob(token=lp.decoded_token or "", logprob=_lp(lp.logprob),

@@ -21,6 +21,7 @@ from raypp.distributed import parallel_state, ray_compat
 from raypp.distributed.parallel_state import RankLayout
 from raypp.engine.sampler import sample
 from raypp.engine.step import StepInput, StepOutput
+from raypp.executor.cuda_graphs import DecodeGraphs
 from raypp.executor.faults import FaultInjector
 from raypp.model.layers import AttentionMetadata, TPContext
 from raypp.model.llama import StageSpec
@@ -74,6 +75,7 @@ class StageWorker:
     def load_model(self) -> dict[str, Any]:
         """Build only this stage's layers on the device and load their weights."""
         mc = self.config.model
+        self.decode_graphs: DecodeGraphs | None = None  # captured in init_kv_cache (CUDA)
         bounds = partition_layers(mc.num_layers, self.layout.pp_size,
                                   self.config.parallel.layer_partition)
         start, end = bounds[self.pp_rank]
@@ -118,6 +120,14 @@ class StageWorker:
             torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
             for _ in range(self.stage.end - self.stage.start)
         ]
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not envs.RAYPP_ENFORCE_EAGER:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, is_first=self.stage.is_first,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
+                hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
+            ).capture()
 
     # -- the step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -144,6 +154,9 @@ class StageWorker:
         return out
 
     def _forward(self, step: StepInput, inputs: Intermediate | None):
+        graphs = getattr(self, "decode_graphs", None)
+        if graphs is not None and graphs.can_run(step):  # CUDA decode: replay a captured graph
+            return graphs.run(step, inputs)
         dev = self.device
         positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
         meta = _attention_metadata(step, dev)

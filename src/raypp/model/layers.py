@@ -262,6 +262,10 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] → out: [tokens, heads * dim]
+        if q.is_cuda:  # Triton kernels reading the cache in place; the CPU path below is as is
+            from raypp.model.triton_attention import paged_attention
+
+            return paged_attention(q, k, v, kv_cache, meta, self.scale)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         block_size = key_cache.shape[1]
         key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -88,7 +88,7 @@ def _paged_decode_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if IEEE:  # fp32 models: exact fp32 products, not tf32
+        if IEEE:  # noqa: SIM108 - constexpr branch; fp32 models get exact fp32, not tf32
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
@@ -97,7 +97,7 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
+        if IEEE:  # noqa: SIM108 - constexpr branch
             pv = tl.dot(p, v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -147,7 +147,7 @@ def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # Triton's interpreter (tests on CPU): behave like an H100/H200
@@ -257,13 +257,12 @@ def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.T
            value_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
     """One-token rows through the decode kernel (one launch); longer queries through SDPA."""
     starts = meta.query_start
-    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     out = torch.empty_like(q)
     single = [j for j, n in enumerate(query_lens) if n == 1]
     if single:
-        rows = torch.tensor(single, dtype=torch.int64, device="cpu").to(q.device, non_blocking=True)
-        tokens = torch.tensor([starts[j] for j in single], dtype=torch.int64,
-                              device="cpu").to(q.device, non_blocking=True)
+        rows = torch.tensor(single, dtype=torch.int64, device=q.device)
+        tokens = torch.tensor([starts[j] for j in single], dtype=torch.int64, device=q.device)
         out[tokens] = paged_decode(q.index_select(0, tokens), key_cache, value_cache,
                                    meta.block_tables.index_select(0, rows),
                                    meta.seq_lens_tensor.index_select(0, rows), scale)

@@ -1,0 +1,27 @@
+# The README's two commands: `make demo` (main job) and `make test` (test suite).
+# Each sets up what it needs: a virtualenv with the CPU build of torch first,
+# so no multi-GB CUDA build is pulled, then raypp with its extras.
+VENV ?= .venv
+PYTHON ?= python3
+STAMP := $(VENV)/.raypp-installed
+
+.PHONY: demo test lint setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e ".[serve,bench,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/raypp generate --demo --pipeline-parallel-size 2
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
