@@ -1,0 +1,273 @@
+"""The ``direct`` control plane: same outputs as transformers and as the compiled
+graph, micro-batches really in flight, idle stages asleep, dead stages reported
+within seconds, nothing left behind on shutdown."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import torch
+
+import raypp.executor.ray_executor as rx
+from raypp import LLM, SamplingParams
+from raypp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from raypp.engine.engine import LLMEngine
+from raypp.engine.step import SamplingBatch, StepInput
+from raypp.executor.base import make_executor
+from raypp.executor.direct_executor import DirectExecutor, StageDiedError
+from raypp.executor.worker import StageError
+
+KV_BYTES = 16 * 2**20
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+TEXTS = ["The list type", "A", "Assert statements are a convenient way to insert debugging",
+         "def ", "Exceptions are raised when"]
+
+# Until LLM/LLMEngine pick the plane themselves (make_executor), build it for them.
+_LLM_TAKES_PLANE = "control_plane" in inspect.signature(LLM.__init__).parameters
+_ENGINE_USES_FACTORY = "make_executor" in inspect.getsource(LLMEngine.__init__)
+_EXECUTORS = {"cgraph": rx.RayExecutor, "direct": DirectExecutor}
+
+
+def _llm(model_dir: Path, plane: str, pp: int, **kwargs) -> LLM:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYPP_CONTROL_PLANE", plane)
+        if _LLM_TAKES_PLANE:
+            kwargs["control_plane"] = plane
+        elif not _ENGINE_USES_FACTORY:
+            mp.setattr(rx, "RayExecutor", _EXECUTORS[plane])
+        llm = LLM(str(model_dir), pipeline_parallel_size=pp, kv_cache_memory_bytes=KV_BYTES,
+                  **kwargs)
+    assert llm.engine.executor.control_plane == plane
+    return llm
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [llm.get_tokenizer().encode(t) for t in TEXTS]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+_HF: dict[str, torch.nn.Module] = {}
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` on the same checkpoint, cut after EOS."""
+    import transformers
+
+    key = str(model_dir)
+    if key not in _HF:
+        _HF[key] = transformers.AutoModelForCausalLM.from_pretrained(
+            key, dtype=torch.float32).eval()
+    model = _HF[key]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                               do_sample=False, pad_token_id=model.config.pad_token_id)
+        new = y[0, len(ids):].tolist()
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        outs.append(new[:cut])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster):
+    """Engines shared by this module's tests: ``(model_dir, plane, pp) -> LLM``."""
+    cache: dict[tuple[str, str, int], LLM] = {}
+
+    def get(model_dir: Path, plane: str, pp: int) -> LLM:
+        key = (str(model_dir), plane, pp)
+        if key not in cache:
+            cache[key] = _llm(model_dir, plane, pp)
+        return cache[key]
+
+    get.cache = cache
+    yield get
+    for llm in cache.values():
+        llm.shutdown()
+
+
+def _stage_pids(llm: LLM) -> list[int]:
+    return ray.get([lane[0].ping.remote() for lane in llm.engine.executor.workers], timeout=30)
+
+
+def _wait_gone(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# -- correctness --------------------------------------------------------------------------
+
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_greedy_equals_transformers_and_cgraph(engines, tiny_llama, pp):
+    direct = engines(tiny_llama, "direct", pp)
+    prompts = _prompts(direct)
+    got, seeded = _generate(direct, prompts), _generate(direct, prompts, SEEDED)
+    assert got == _hf_greedy(tiny_llama, prompts, MAX_NEW)
+    with _llm(tiny_llama, "cgraph", pp) as cgraph:
+        assert _generate(cgraph, prompts) == got
+        assert _generate(cgraph, prompts, SEEDED) == seeded
+
+
+def test_qwen2_equals_transformers_and_shutdown_is_clean(ray_cluster, tiny_qwen2, caplog):
+    with _llm(tiny_qwen2, "direct", 2) as llm:
+        prompts = _prompts(llm)
+        got = _generate(llm, prompts)
+        pids = _stage_pids(llm)
+    assert got == _hf_greedy(tiny_qwen2, prompts, MAX_NEW)
+    assert "did not stop" not in caplog.text  # loops acknowledged the stop before the kill
+    assert _wait_gone(pids, within_s=10) == []
+
+
+# -- pipelining -----------------------------------------------------------------------------
+
+
+def _overlaps(intervals: list[tuple[int, float, float]]) -> int:
+    """Pairs of compute intervals on different stages that overlap in time."""
+    return sum(1 for i, (sa, a0, a1) in enumerate(intervals) for sb, b0, b1 in intervals[i + 1:]
+               if sa != sb and a0 < b1 and b0 < a1)
+
+
+def test_micro_batches_are_in_flight_together(engines, tiny_llama):
+    llm = engines(tiny_llama, "direct", 2)
+    engine, executor = llm.engine, llm.engine.executor
+    prompts = _prompts(llm) * 2
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.trace_steps = True
+    try:
+        executor.traced_intervals()  # drop older intervals
+        engine.config.scheduler.max_inflight = 1
+        _generate(llm, prompts, long)
+        serial = executor.traced_intervals()
+        engine.config.scheduler.max_inflight = 2
+        _generate(llm, prompts, long)
+        pipelined = executor.traced_intervals()
+    finally:
+        engine.trace_steps = False
+        engine.config.scheduler.max_inflight = 2
+    assert serial and pipelined
+    assert _overlaps(serial) == 0  # one micro-batch at a time: stages take turns
+    assert _overlaps(pipelined) >= 5  # two in flight: both stages compute at once
+
+
+def test_executor_over_tcp_pipelines_and_matches_transformers(ray_cluster, tiny_llama):
+    """Executor level, socket transport: two steps submitted before either result."""
+    config = EngineConfig(model=ModelConfig(str(tiny_llama)), parallel=ParallelConfig(2),
+                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES), device="cpu")
+    executor = DirectExecutor(config, transport="tcp")
+    try:
+        assert all(q.address.startswith("tcp://127.0.0.1:") for q in executor._steps)
+        prompts = [[5, 17, 42, 8], [99, 3, 250]]
+        handles = [executor.submit(_prefill_step(i, ids, first_block=4 * i))
+                   for i, ids in enumerate(prompts)]
+        outs = [executor.result(h, timeout=30) for h in reversed(handles)][::-1]
+        assert [o.step_id for o in outs] == [0, 1]
+        assert [o.token_ids for o in outs] == [hf[:1] for hf in _hf_greedy(tiny_llama, prompts, 1)]
+        assert executor.check_health()
+    finally:
+        executor.shutdown()
+    assert not executor.check_health()
+
+
+def _prefill_step(step_id: int, ids: list[int], first_block: int) -> StepInput:
+    n = len(ids)
+    greedy = SamplingBatch(temperature=[0.0], top_p=[1.0], top_k=[0], min_p=[0.0], seeds=[0],
+                           output_index=[0], num_logprobs=[-1], presence_penalty=[0.0],
+                           frequency_penalty=[0.0], repetition_penalty=[1.0],
+                           prompt_tokens=[[]], output_tokens=[[]])
+    block_size = CacheConfig().block_size
+    return StepInput(step_id=step_id, input_ids=ids, positions=list(range(n)),
+                     query_start=[0, n], seq_lens=[n], block_tables=[[first_block]],
+                     slot_mapping=[first_block * block_size + p for p in range(n)],
+                     sample_rows=[n - 1], sampling=greedy)
+
+
+# -- idle cost --------------------------------------------------------------------------------
+
+
+def test_idle_stages_use_almost_no_cpu(engines, tiny_llama):
+    llm = engines(tiny_llama, "direct", 2)
+    _generate(llm, _prompts(llm)[:1])
+    procs = [psutil.Process(pid) for pid in _stage_pids(llm)]
+    time.sleep(0.5)  # let the last replies settle
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    started = time.monotonic()
+    time.sleep(3.0)
+    elapsed = time.monotonic() - started
+    busy = [(sum(p.cpu_times()[:2]) - b) / elapsed for p, b in zip(procs, before, strict=True)]
+    assert max(busy) <= 0.05, f"idle stage CPU use (fraction of a core): {busy}"
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_stage_error_fails_only_its_step(ray_cluster, tiny_llama, monkeypatch):
+    monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:1:3")  # stage 1 raises at step id 3
+    with _llm(tiny_llama, "direct", 3) as llm:
+        prompts = _prompts(llm)
+        with pytest.raises(StageError, match="stage 1 .*failed at step 3"):
+            _generate(llm, prompts)
+        assert llm.is_healthy()
+        assert _generate(llm, prompts) == _hf_greedy(tiny_llama, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_killed_stage_raises_within_seconds(ray_cluster, tiny_llama, victim):
+    llm = _llm(tiny_llama, "direct", 3)
+    try:
+        pids = _stage_pids(llm)
+        engine = llm.engine
+        engine.add_request("long", {"prompt_token_ids": _prompts(llm)[2]},
+                           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            engine.step()  # steps are in flight now
+        ray.kill(engine.executor.workers[victim][0], no_restart=True)
+        killed = time.monotonic()
+        with pytest.raises(StageDiedError, match=f"stage {victim} .*died") as err:
+            for _ in range(1000):
+                engine.step()
+        took = time.monotonic() - killed
+        assert took < 10, f"the dead stage was reported after {took:.1f} s"
+        assert "raypp_worker" in str(err.value)
+        assert not llm.is_healthy()
+        with pytest.raises(StageDiedError):  # stays down, fails fast
+            engine.executor.submit(_prefill_step(10_000, [1, 2], first_block=0))
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (llm.shutdown(), done.set()), daemon=True).start()
+        assert done.wait(15), "shutdown hung after a stage died"
+    assert _wait_gone(pids, within_s=10) == []
+
+
+def test_make_executor_rejects_unknown_plane(tiny_llama):
+    config = EngineConfig(model=ModelConfig(str(tiny_llama)), device="cpu")
+    with pytest.raises(ValueError, match="cgraph, direct"):
+        make_executor(config, control_plane="grpc")
