@@ -1,0 +1,173 @@
+"""The benchmarks run end to end on tiny sizes and write well-formed results.
+
+These assert structure and sane values, never speed: the CI box is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from raypp.bench.timeline import Timeline, timeline_paths, to_chrome_trace
+from raypp.bench.workload import dataset_requests, synthetic_requests
+from raypp.entrypoints.cli import build_parser
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def bench_llm(ray_cluster, tiny_llama):
+    """pp=2 engine on the tiny Llama with send/recv tracing on (as ``--timeline`` does)."""
+    from raypp import LLM
+
+    previous = os.environ.get("RAYPP_TRACE_COMM")
+    os.environ["RAYPP_TRACE_COMM"] = "1"
+    try:
+        llm = LLM(str(tiny_llama), pipeline_parallel_size=2, max_model_len=128)
+    finally:
+        if previous is None:
+            del os.environ["RAYPP_TRACE_COMM"]
+        else:
+            os.environ["RAYPP_TRACE_COMM"] = previous
+    yield llm
+    llm.shutdown()
+
+
+def test_hop_bench_writes_rows_for_every_transport(ray_cluster, tmp_path):
+    from raypp.bench.hop import TRANSPORTS, hop_table, run_hop_bench
+
+    out = tmp_path / "hop.json"
+    args = _args("bench", "hop", "--steps", "10", "--warmup", "2", "--stages", "2",
+                 "--sizes", "1,8", "--hidden", "64", "--json", str(out))
+    result = run_hop_bench(args)
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    combos = {(r["stages"], r["transport"], r["rows"]) for r in result["rows"]}
+    assert combos == {(2, t, n) for t in TRANSPORTS for n in (1, 8)}
+    for row in result["rows"]:
+        assert row["steps"] == 10
+        assert 0 < row["min_ms"] <= row["p50_ms"] <= row["p90_ms"] <= row["max_ms"]
+        assert row["bytes"] == row["rows"] * 64 * 4
+        assert set(row["cpu"]) == {"driver", "stage0", "stage1"}
+        if row["transport"] == "raypp":  # our hooks saw the hop's send and recv
+            assert row["send_p50_ms"] > 0 and row["recv_p50_ms"] > 0
+        if row["transport"] == "shm":
+            assert row["p50_vs_shm"] == 1.0
+    assert [r["rows"] for r in result["gloo_raw"]] == [1, 8]
+    assert all(r["one_way_p50_ms"] > 0 for r in result["gloo_raw"])
+    assert "RayPPCommunicator/gloo" in hop_table(result)
+
+
+def test_throughput_json_and_timeline(bench_llm, tmp_path):
+    from raypp.bench.runner import run_throughput
+
+    args = _args("bench", "throughput", "--num-prompts", "6", "--input-len", "8",
+                 "--output-len", "5", "--num-warmup", "1", "--no-progress",
+                 "--json", str(tmp_path / "tp.json"), "--timeline", str(tmp_path / "tl"))
+    result = run_throughput(args, llm=bench_llm)
+    saved = json.loads((tmp_path / "tp.json").read_text())
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
+                "num_requests", "pipeline_parallel_size", "max_inflight",
+                "engine_overhead_share"):
+        assert key in saved, key
+    assert saved["num_requests"] == 6
+    assert saved["num_output_tokens"] == 30 and saved["num_prompt_tokens"] == 48
+    assert saved["pipeline_parallel_size"] == 2 and saved["max_inflight"] == 2
+    assert saved["pp_transport"] == "RayPPCommunicator"
+    assert saved["output_tokens_per_s"] == pytest.approx(30 / saved["elapsed_s"], rel=1e-3)
+    assert 0 <= saved["engine_overhead_share"] <= 1
+    assert saved["ttft_ms"]["n"] == 6 and saved["tpot_ms"]["n"] == 6
+    assert len(saved["stage_busy_share"]) == 2
+    assert all(0 < b <= 1 for b in saved["stage_busy_share"])
+
+    trace = json.loads((tmp_path / "tl.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {"driver", "stage 0", "stage 1"}
+    compute = [e for e in events if e.get("cat") == "compute"]
+    steps = result["engine_steps"]
+    for tid in (1, 2):  # every stage ran every micro-batch once, labelled by step id
+        mine = [e for e in compute if e["tid"] == tid]
+        assert len(mine) == steps
+        assert all(e["args"]["step_id"] >= 0 and e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
+    sends = [e for e in events if e.get("cat") == "comm.send"]
+    recvs = [e for e in events if e.get("cat") == "comm.recv"]
+    assert sends and all(e["tid"] == 1 for e in sends)  # stage 0 → stage 1 only
+    assert recvs and all(e["tid"] == 2 for e in recvs)
+    png = (tmp_path / "tl.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_latency_json(bench_llm, tmp_path):
+    from raypp.bench.runner import run_latency
+
+    args = _args("bench", "latency", "--num-prompts", "2", "--input-len", "6",
+                 "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+                 "--num-warmup", "0", "--no-progress", "--json", str(tmp_path / "lat.json"))
+    run_latency(args, llm=bench_llm)
+    saved = json.loads((tmp_path / "lat.json").read_text())
+    assert saved["benchmark"] == "latency"
+    assert saved["batch_size"] == 2 and saved["num_requests"] == 4
+    assert saved["num_output_tokens"] == 16
+    lat = saved["latency_s"]
+    assert lat["n"] == 2 and 0 < lat["min"] <= lat["p50"] <= lat["max"]
+    assert lat["max"] <= saved["elapsed_s"]
+
+
+def test_dataset_and_synthetic_requests(tmp_path, tiny_llama):
+    from raypp.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_llama))
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "The list type", "output_len": 3}\n\n'
+                    '{"prompt_token_ids": [5, 6, 7]}\n')
+    reqs = dataset_requests(path, tok, default_output_len=9)
+    assert [r.output_len for r in reqs] == [3, 9]
+    assert reqs[0].prompt_token_ids == tok.encode("The list type")
+    assert reqs[1].prompt_token_ids == [5, 6, 7]
+    assert len(dataset_requests(path, tok, 9, num=1)) == 1
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="d.jsonl:1"):
+        dataset_requests(path, tok, 9)
+
+    synth = synthetic_requests(4, 10, 7, vocab_size=50, avoid={0, 1, 2}, seed=3)
+    assert len(synth) == 4 and all(r.prompt_len == 10 and r.output_len == 7 for r in synth)
+    assert all(3 <= t < 50 for r in synth for t in r.prompt_token_ids)
+    params = synth[0].sampling_params()
+    assert params.ignore_eos and params.max_tokens == 7
+    assert synth == synthetic_requests(4, 10, 7, vocab_size=50, avoid={0, 1, 2}, seed=3)
+
+
+def test_make_model_cli(tmp_path):
+    from raypp.entrypoints.cli import main
+
+    out = tmp_path / "m"
+    assert main(["bench", "make-model", "--out", str(out), "--hidden", "64", "--layers", "2",
+                 "--heads", "4", "--vocab", "300"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2
+    assert config["intermediate_size"] == 192  # 11/4 × 64 = 176, rounded up to 64
+    assert config["num_key_value_heads"] == 4
+    assert list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+
+
+def test_chrome_trace_and_busy_shares_of_a_known_timeline():
+    tl = Timeline(num_stages=2)
+    tl.driver = [("submit", 0, 0.0, 0.1), ("wait", 0, 0.1, 4.0)]
+    tl.compute = [(0, 0, 0.1, 1.1), (1, 0, 1.5, 3.5)]
+    tl.comm = [(0, "send", 1, 1.1, 1.5, 64), (1, "recv", 0, 1.1, 1.5, 64)]
+    tl.steps = {0: {"tokens": 8, "seqs": 2}}
+    assert tl.busy_shares() == [0.25, 0.5]
+    assert tl.comm_shares() == [0.1, 0.1]
+    events = to_chrome_trace(tl)["traceEvents"]
+    step = [e for e in events if e.get("cat") == "compute" and e["tid"] == 2][0]
+    assert step["ts"] == pytest.approx(1.5e6) and step["dur"] == pytest.approx(2e6)
+    assert step["args"] == {"step_id": 0, "tokens": 8, "seqs": 2}
+    assert timeline_paths("x/run") == (Path("x/run.json"), Path("x/run.png"))
+    assert timeline_paths("x/run.png") == (Path("x/run.json"), Path("x/run.png"))
