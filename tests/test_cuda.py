@@ -1,0 +1,200 @@
+"""The CUDA path: Triton paged attention, decode CUDA graphs, and the engine on a GPU.
+
+Skipped cleanly without a GPU (CI); the GPU benchmark call runs it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+def _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale):
+    """float64 attention of one query per sequence over its cached context."""
+    seqs, heads, dim = q.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros(seqs, heads, dim, dtype=torch.float64, device=q.device)
+    for s in range(seqs):
+        n = int(seq_lens[s])
+        if n == 0:
+            continue
+        blocks = tables[s, : -(-n // block_size)]
+        keys = key_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        values = value_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        group = heads // kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        p = (torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale).softmax(-1)
+        out[s] = torch.einsum("hl,lhd->hd", p, values)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2),
+                                       (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 64), (4, 2, 16), (8, 8, 128)])
+def test_paged_decode_matches_reference(dtype, tol, heads, kv_heads, dim):
+    from raypp.model import triton_attention as ta
+
+    gen = torch.Generator(device="cuda").manual_seed(heads * dim)
+    dev = "cuda"
+    blocks, block_size, width = 300, 16, 40
+    key_cache = torch.randn(blocks, block_size, kv_heads, dim, device=dev, generator=gen).to(dtype)
+    value_cache = torch.randn_like(key_cache.float()).to(dtype)
+    seq_lens = torch.tensor([1, 0, 17, 64, 65, 300, 640], device=dev)
+    tables = torch.stack([torch.randperm(blocks, device=dev, generator=gen)[:width]
+                          for _ in range(len(seq_lens))])
+    q = torch.randn(len(seq_lens), heads, dim, device=dev, generator=gen).to(dtype)
+    scale = dim**-0.5
+    ref = _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale)
+    for splits in (None, 1, 2, 7, 32):
+        out = ta.paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, splits=splits)
+        assert torch.isfinite(out).all()
+        assert out[1].abs().max() == 0  # empty context: zeros
+        assert _rel(out, ref) < tol, (splits, _rel(out, ref))
+    # int32 block tables read the same
+    out32 = ta.paged_decode(q, key_cache, value_cache, tables.int(), seq_lens, scale)
+    assert _rel(out32, ref) < tol
+
+
+def test_store_kv_skips_negative_slots():
+    from raypp.model import triton_attention as ta
+
+    kv = torch.randn(2, 10, 16, 2, 8, device="cuda")
+    qkv = torch.randn(5, 3 * 16, device="cuda")  # k, v as strided views, as in the model
+    k = qkv[:, 16:32].view(5, 2, 8)
+    v = qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([3, -1, 17, 159, 5], device="cuda")
+    expected = kv.clone()
+    keep = slots >= 0
+    expected[0].view(-1, 2, 8)[slots[keep]] = k[keep]
+    expected[1].view(-1, 2, 8)[slots[keep]] = v[keep]
+    ta.store_kv(k, v, kv[0], kv[1], slots)
+    assert torch.equal(kv, expected)
+
+
+def test_mixed_batch_matches_cpu_path():
+    """Fresh prefill, a later prefill chunk and decode rows in one step: as the CPU path."""
+    from raypp.model import triton_attention as ta
+    from raypp.model.layers import AttentionMetadata, PagedAttention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, blocks = 8, 2, 32, 16, 64
+    attn = PagedAttention(heads, kv_heads, dim)
+    perm = torch.randperm(blocks).tolist()
+    tables = [perm[0:2], perm[2:6], perm[6:11], perm[11:12]]
+    query_lens, seq_lens = [20, 10, 1, 1], [20, 50, 70, 1]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, n, total in zip(tables, query_lens, seq_lens, strict=True)
+             for p in range(total - n, total)]
+    width = max(map(len, tables))
+
+    def meta(device):
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device), query_start=starts,
+            seq_lens=seq_lens, decode_only=False,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+            seq_lens_tensor=torch.tensor(seq_lens, device=device))
+
+    tokens = starts[-1]
+    q, k, v = (torch.randn(tokens, h, dim) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, blocks, block_size, kv_heads, dim)
+    cpu_cache, gpu_cache = cache.clone(), cache.cuda()
+    ref = attn(q, k, v, cpu_cache, meta("cpu"))
+    out = ta.paged_attention(q.cuda(), k.cuda(), v.cuda(), gpu_cache, meta("cuda"), attn.scale)
+    assert _rel(out.cpu(), ref) < 1e-5
+    assert torch.allclose(gpu_cache.cpu(), cpu_cache)
+
+
+def test_decode_graphs_match_eager(tiny_llama):
+    """Graph replays (with padding rows) give the eager forward's hidden states."""
+    from raypp.config import ModelConfig
+    from raypp.engine.step import StepInput
+    from raypp.executor.cuda_graphs import DecodeGraphs, capture_sizes
+    from raypp.executor.worker import _attention_metadata
+    from raypp.model.layers import TPContext
+    from raypp.model.llama import LlamaStageModel, StageSpec
+    from raypp.model.loader import load_stage_weights
+
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    mc = ModelConfig(str(tiny_llama), dtype="float32")
+    stage = StageSpec(0, mc.num_layers, True, True)
+    with torch.device("cuda"):
+        model = LlamaStageModel(mc.hf_config, stage, TPContext(), torch.float32)
+    load_stage_weights(model, mc.model)
+    model.eval()
+    block_size, blocks = 16, 64
+    caches = [torch.randn(2, blocks, block_size, mc.num_kv_heads, mc.head_dim, device="cuda")
+              for _ in range(mc.num_layers)]
+    graphs = DecodeGraphs(model, caches, is_first=True, max_num_seqs=8, max_blocks_per_seq=8,
+                          hidden_size=mc.hidden_size, dtype=torch.float32,
+                          device=torch.device("cuda")).capture()
+    for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
+        step = StepInput(
+            step_id=0, input_ids=[7 + i for i in range(n)], positions=[c - 1 for c in context],
+            query_start=list(range(n + 1)), seq_lens=context, block_tables=tables,
+            slot_mapping=[t[(c - 1) // block_size] * block_size + (c - 1) % block_size
+                          for t, c in zip(tables, context, strict=True)],
+            sample_rows=list(range(n)), sampling=None)
+        assert graphs.can_run(step)
+        before = [c.clone() for c in caches]
+        with torch.inference_mode():
+            got, _ = graphs.run(step, None)
+            got = got.clone()
+            after_graph = [c.clone() for c in caches]
+            for c, b in zip(caches, before, strict=True):
+                c.copy_(b)
+            meta = _attention_metadata(step, torch.device("cuda"))
+            positions = torch.tensor(step.positions, device="cuda")
+            ids = torch.tensor(step.input_ids, device="cuda")
+            want, _ = model(positions, meta, caches, input_ids=ids)
+        assert _rel(got, want) < 1e-5
+        for c, g in zip(caches, after_graph, strict=True):  # padding rows wrote nothing
+            torch.testing.assert_close(g, c, rtol=1e-5, atol=1e-5)
+    assert graphs.replays == 3
+
+
+def _hf_greedy(model_dir, prompts, max_tokens, dtype):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, eager):
+    """Greedy fp32 generation on the GPU equals transformers', with and without graphs."""
+    from raypp import LLM, SamplingParams
+
+    monkeypatch.setenv("RAYPP_ENFORCE_EAGER", "1" if eager else "0")
+    prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+              max_num_seqs=4)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        worker = llm.engine.executor.workers[0][0]
+        replays = ray_cluster.get(worker.__ray_call__.remote(
+            lambda w: -1 if w.decode_graphs is None else w.decode_graphs.replays))
+    finally:
+        llm.shutdown()
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == _hf_greedy(str(tiny_llama), prompts, 24, torch.float32)
+    assert (replays == -1) if eager else (replays > 0)
