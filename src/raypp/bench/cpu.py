@@ -15,10 +15,12 @@ import psutil
 
 
 def _thread_name(pid: int, tid: int) -> str:
+    """The OS thread name, with ``main`` for the process's main thread."""
     try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
     except OSError:
-        return "?"
+        name = "?"
+    return f"{name} (main)" if tid == pid else f"{name} ({tid})"
 
 
 def _snapshot(pid: int) -> dict[str, Any] | None:
