@@ -305,6 +305,7 @@ def run_hop_bench(args: argparse.Namespace) -> dict[str, Any]:
     from raypp.executor.ray_executor import ensure_ray
 
     ensure_ray(getattr(args, "ray_address", None))
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
     for num_stages in args.stages:
@@ -321,6 +322,7 @@ def run_hop_bench(args: argparse.Namespace) -> dict[str, Any]:
         "inflight": args.inflight,
         "rows": rows,
         "gloo_raw": raw,
+        "load_avg_at_start": load_at_start,
         "context": run_context(),
     }
     print(hop_table(result))

@@ -211,6 +211,13 @@ def _base_result(args: argparse.Namespace, engine: Any, requests: list[BenchRequ
     }
 
 
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _throughput_numbers(requests: list[BenchRequest], stats: RunStats,
                         repeats: int = 1) -> dict[str, Any]:
     prompt_tokens = repeats * sum(r.prompt_len for r in requests)
@@ -245,6 +252,7 @@ def _finish(args: argparse.Namespace, engine: Any, recorder: StepRecorder,
 
     tl = collect(engine.executor, recorder)
     result["stage_busy_share"] = tl.busy_shares()
+    result["stage_compute_ms"] = tl.compute_ms()
     if tl.comm:
         result["stage_comm_share"] = tl.comm_shares()
     if args.timeline:
@@ -278,6 +286,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         recorder.clear()
         meter = CpuMeter.with_driver(_stage_pids(engine))
         engine.trace_steps = True
+        load_at_start = _load_avg()
         meter.start()
         with tqdm(total=len(requests), desc="bench throughput", dynamic_ncols=True,
                   disable=args.no_progress) as bar:
@@ -287,7 +296,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         result = {"benchmark": "throughput", **_base_result(args, engine, requests, concurrency),
                   **_throughput_numbers(requests, stats),
                   "ttft_ms": _ms_summary(stats.ttft_s), "tpot_ms": _ms_summary(stats.tpot_s),
-                  "cpu": cpu}
+                  "cpu": cpu, "load_avg_at_start": load_at_start}
         _print_summary(result)
         return _finish(args, engine, recorder, result, _title("throughput", result))
     finally:
@@ -311,6 +320,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         recorder.clear()
         meter = CpuMeter.with_driver(_stage_pids(engine))
         engine.trace_steps = True
+        load_at_start = _load_avg()
         meter.start()
         total = RunStats()
         latencies = []
@@ -331,7 +341,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
                   "latency_s": {k: (round(v, 4) if k != "n" else v)
                                 for k, v in summarize(latencies).items()},
                   "ttft_ms": _ms_summary(total.ttft_s), "tpot_ms": _ms_summary(total.tpot_s),
-                  "cpu": cpu}
+                  "cpu": cpu, "load_avg_at_start": load_at_start}
         _print_summary(result)
         return _finish(args, engine, recorder, result, _title("latency", result))
     finally:

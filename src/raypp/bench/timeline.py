@@ -53,6 +53,16 @@ class Timeline:
             busy[stage] += end - start
         return [round(b / span, 4) if span > 0 else 0.0 for b in busy]
 
+    def compute_ms(self) -> list[dict[str, float]]:
+        """Per stage: p50 and mean compute time of one micro-batch, in ms."""
+        from raypp.bench.report import summarize
+
+        out = []
+        for k in range(self.num_stages):
+            s = summarize([1e3 * (c[3] - c[2]) for c in self.compute if c[0] == k])
+            out.append({"p50": round(s.get("p50", 0.0), 3), "mean": round(s.get("mean", 0.0), 3)})
+        return out
+
     def comm_shares(self) -> list[float]:
         """Per stage: time inside send/recv / the run's span."""
         span = self.end - self.start
