@@ -4,10 +4,20 @@ Public surface: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`,
 :class:`CompletionOutput`.
 """
 
+from raypp.executor.errors import (
+    EngineDeadError,
+    RequestFailedError,
+    StageDiedError,
+    StageError,
+    StepTimeoutError,
+)
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "EngineDeadError", "RequestFailedError", "StageDiedError", "StageError", "StepTimeoutError",
+]
 __version__ = "0.1.0"
 
 

@@ -126,6 +126,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     ray_address: str | None = None
     layer_partition: list[int] | None = None
+    control_plane: str | None = None  # "cgraph" | "direct"; default RAYPP_CONTROL_PLANE
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -136,6 +137,10 @@ class ParallelConfig:
             raise ValueError(
                 "tensor_parallel_size > 1 is not supported yet; use pipeline_parallel_size"
             )
+        plane = (self.control_plane or envs.RAYPP_CONTROL_PLANE or "cgraph").strip().lower()
+        if plane not in ("cgraph", "direct"):
+            raise ValueError(f"control_plane must be 'cgraph' or 'direct', got {plane!r}")
+        self.control_plane = plane
         if self.layer_partition is None and envs.RAYPP_PP_LAYER_PARTITION:
             self.layer_partition = parse_partition(envs.RAYPP_PP_LAYER_PARTITION)
 
@@ -192,8 +197,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
+    max_restarts: int | None = None  # default RAYPP_MAX_RESTARTS (in RAYPP_RESTART_WINDOW_S)
 
     def __post_init__(self) -> None:
+        if self.max_restarts is None:
+            self.max_restarts = int(envs.RAYPP_MAX_RESTARTS)
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):

@@ -72,6 +72,20 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: never capture CUDA graphs; decode steps on CUDA run eagerly (debugging, "
         "comparison). 0 (default): decode steps replay graphs captured at start-up.",
     ),
+    "RAYPP_IDLE_SUSPEND_S": (
+        _float("RAYPP_IDLE_SUSPEND_S", "2"),
+        "Tear the compiled graph down after this many idle seconds (its stage loops "
+        "poll and burn CPU while idle); recompiled on the next step. 0 disables.",
+    ),
+    "RAYPP_MAX_RESTARTS": (
+        _float("RAYPP_MAX_RESTARTS", "3"),
+        "Executor replacements allowed within RAYPP_RESTART_WINDOW_S before the engine "
+        "stops with EngineDeadError.",
+    ),
+    "RAYPP_RESTART_WINDOW_S": (
+        _float("RAYPP_RESTART_WINDOW_S", "600"),
+        "Rolling window, in seconds, over which restarts are counted.",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),

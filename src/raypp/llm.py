@@ -16,6 +16,7 @@ from raypp.config import (
     SchedulerConfig,
 )
 from raypp.engine.engine import LLMEngine
+from raypp.executor.errors import RequestFailedError
 from raypp.outputs import RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -42,6 +43,8 @@ class LLM:
         max_model_len: int | None = None,
         ray_address: str | None = None,
         device: str = "auto",
+        control_plane: str | None = None,
+        max_restarts: int | None = None,
         **kwargs: Any,
     ):
         cache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(CacheConfig)}
@@ -50,10 +53,12 @@ class LLM:
             raise TypeError(f"LLM() got unknown option(s): {', '.join(sorted(kwargs))}")
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            parallel=ParallelConfig(pipeline_parallel_size, tensor_parallel_size, ray_address),
+            parallel=ParallelConfig(pipeline_parallel_size, tensor_parallel_size, ray_address,
+                                    control_plane=control_plane),
             cache=CacheConfig(**cache_kwargs),
             scheduler=SchedulerConfig(**sched_kwargs),
             device=device,
+            max_restarts=max_restarts,
         )
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
@@ -95,6 +100,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished. A stage exception fails only its
+        requests (raised at the end); a dead or stuck stage raises at once."""
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
@@ -105,13 +112,23 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
+                        if out.error and not out.error.startswith("stage_error"):
+                            raise self._failure(request_ids, finished)
         except BaseException:
             for request_id in wanted - set(finished):
                 self.engine.abort_request(request_id)
             raise
         finally:
             bar.close()
+        if any(out.error for out in finished.values()):
+            raise self._failure(request_ids, finished)
         return [finished[i] for i in request_ids]
+
+    @staticmethod
+    def _failure(request_ids: list[str], finished: dict[str, RequestOutput]) -> RequestFailedError:
+        outputs = [finished.get(i) for i in request_ids]
+        errors = {k: o.error for k, o in enumerate(outputs) if o is not None and o.error}
+        return RequestFailedError(errors, outputs)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:

@@ -20,7 +20,8 @@ class CompletionOutput:
 
     ``logprobs`` is ``None`` unless requested; otherwise one dict per generated
     token mapping token id → :class:`Logprob`, always including the sampled token.
-    ``finish_reason`` is ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
+    ``finish_reason`` is ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None``
+    while running.
     """
 
     index: int
@@ -45,3 +46,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    # set when the request failed (a stage raised, died or hung): "<kind>: <message>"
+    error: str | None = None

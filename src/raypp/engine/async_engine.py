@@ -14,8 +14,11 @@ What callers may rely on:
   ``finished=True``.
 - If the consumer stops iterating (``break``, ``aclose()``, task cancelled)
   before the last update, the request is aborted and its KV blocks freed.
+- A request the engine finishes with an error (a stage raised, died or hung)
+  raises :class:`GenerationError` from its iterator.
 - If ``engine.step()`` raises, every in-flight request's iterator raises that
   exception; the loop keeps serving later requests (see :meth:`_fail_all`).
+- After :meth:`shutdown`, iterators and new calls raise ``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raypp.engine.engine import LLMEngine
+from raypp.executor.errors import EngineDeadError
 from raypp.outputs import RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -41,8 +45,12 @@ _STAGE_TIMES_TIMEOUT_S = 2.0  # a stage that does not answer is left to the heal
 _STUCK_WAIT_S = 0.005  # requests exist but nothing could be scheduled: nap, don't spin
 
 
-class EngineDeadError(RuntimeError):
-    """The engine was shut down (or its loop thread died); no request can run."""
+class GenerationError(RuntimeError):
+    """The engine finished a request with an error; ``output`` is its last state."""
+
+    def __init__(self, output: RequestOutput):
+        super().__init__(output.error)
+        self.output = output
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,8 @@ class AsyncLLMEngine:
                     done = True  # the loop already forgot this request
                     raise item
                 done = item.finished
+                if getattr(item, "error", None):
+                    raise GenerationError(item)
                 yield item
                 if done:
                     return
@@ -171,7 +181,7 @@ class AsyncLLMEngine:
             return False
         if self._last_step_failed:
             return False
-        return self.engine.executor.check_health()
+        return self.engine.is_healthy()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop (in-flight requests fail with EngineDeadError), then the engine."""

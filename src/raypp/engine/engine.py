@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from raypp import envs
 from raypp.config import EngineConfig
 from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
@@ -23,6 +24,8 @@ from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence, SequenceStatus
 from raypp.engine.step import RowLogprobs, SamplingBatch, StepInput, StepOutput
 from raypp.engine.tokenizer import load_tokenizer
+from raypp.executor.base import make_executor
+from raypp.executor.errors import EngineDeadError, StageDiedError, StageError, StepTimeoutError
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -53,12 +56,13 @@ class LLMEngine:
     """The synchronous engine. Not thread-safe: one caller drives ``step``."""
 
     def __init__(self, config: EngineConfig):
-        from raypp.executor.ray_executor import RayExecutor
-
         self.config = config
         self.tokenizer = load_tokenizer(config.model.model)
         self.eos_token_ids = set(config.model.eos_token_ids())
-        self.executor = RayExecutor(config)
+        self.executor = make_executor(config, config.parallel.control_plane)
+        self._restarts: deque[float] = deque()  # times of recent executor replacements
+        self._needs_restart = False
+        self._dead: str | None = None
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -143,14 +147,34 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Advance the pipeline by one micro-batch; outputs of requests it touched."""
+        """Advance the pipeline by one micro-batch; outputs of requests it touched.
+
+        A failed step does not raise: its requests come back finished with
+        ``error`` set. An exception inside a stage fails only that micro-batch. A
+        dead or stuck stage fails every in-flight micro-batch, re-queues the other
+        running sequences (they recompute), and the executor is replaced before the
+        next step. Raises :class:`EngineDeadError` once restarts are exhausted.
+        """
+        if self._dead:
+            raise EngineDeadError(self._dead)
         started = time.perf_counter()
-        self._fill_pipeline()
+        if self._needs_restart:
+            self._restart()
+        try:
+            self._fill_pipeline()
+        except (StageDiedError, StepTimeoutError) as e:
+            return self._on_executor_failure(e)
         if not self._inflight:
             return []
         item = self._inflight.popleft()
         waited = time.perf_counter()
-        result: StepOutput = self.executor.result(item.handle)
+        try:
+            result: StepOutput = self.executor.result(item.handle)
+        except StageError as e:
+            return self._fail_batch(item.batch, f"{e}", "stage_error")
+        except (StageDiedError, StepTimeoutError) as e:
+            self._inflight.appendleft(item)
+            return self._on_executor_failure(e)
         got = time.perf_counter()
         outputs = self._postprocess(item.batch, result)
         stats = self.stats
@@ -168,6 +192,70 @@ class LLMEngine:
                 return
             step = self._build_step(batch)
             self._inflight.append(_InFlight(batch, step, self.executor.submit(step)))
+
+    # -- failures --------------------------------------------------------------------------
+    def _fail_batch(self, batch: MicroBatch, message: str, kind: str) -> list[RequestOutput]:
+        """Finish every request with a sequence in ``batch`` with an error."""
+        self.scheduler.complete(batch)
+        failed: dict[str, Request] = {}
+        for item in batch.seqs:
+            request = self.requests.get(item.seq.request_id)
+            if request is not None:
+                failed[request.request_id] = request
+        outputs = []
+        for request in failed.values():
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish("error")
+                self.scheduler.finish(seq)
+            request.error = f"{kind}: {message}"
+            outputs.append(self._request_output(request))
+            del self.requests[request.request_id]
+        return outputs
+
+    def _on_executor_failure(self, error: Exception) -> list[RequestOutput]:
+        kind = "stage_died" if isinstance(error, StageDiedError) else "step_timeout"
+        logger.error("pipeline failed (%s): %s; replacing the stage workers", kind, error)
+        outputs: list[RequestOutput] = []
+        while self._inflight:
+            outputs.extend(self._fail_batch(self._inflight.popleft().batch, str(error), kind))
+        for seq in list(self.scheduler.running):  # their KV cache dies with the workers
+            self.scheduler.requeue(seq)
+        self.executor.shutdown()
+        self._needs_restart = True
+        return outputs
+
+    def _restart(self) -> None:
+        now = time.monotonic()
+        window = envs.RAYPP_RESTART_WINDOW_S
+        while self._restarts and now - self._restarts[0] > window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.config.max_restarts:
+            self._dead = (f"engine stopped: {len(self._restarts)} restarts within {window:g} s "
+                          f"(max_restarts={self.config.max_restarts})")
+            self._fail_all(self._dead)
+            raise EngineDeadError(self._dead)
+        self._restarts.append(now)
+        self.executor = make_executor(self.config, self.config.parallel.control_plane)
+        if self.executor.num_kv_blocks != self.block_manager.num_blocks:
+            self.block_manager = BlockManager(self.executor.num_kv_blocks,
+                                              self.config.cache.block_size)
+            self.scheduler.blocks = self.block_manager
+        self._needs_restart = False
+        logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
+
+    def _fail_all(self, message: str) -> None:
+        for request in list(self.requests.values()):
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish("error")
+                self.scheduler.finish(seq)
+            request.error = message
+        self.requests.clear()
+
+    @property
+    def restarts(self) -> int:
+        return len(self._restarts)
 
     def _build_step(self, batch: MicroBatch) -> StepInput:
         ids, positions, slots, query_start, seq_lens, tables, rows = [], [], [], [0], [], [], []
@@ -282,13 +370,16 @@ class LLMEngine:
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             completions, request.finished, metrics)
+                             completions, request.finished, metrics, request.error)
 
     # -- lifecycle -------------------------------------------------------------------------
     def is_healthy(self) -> bool:
-        return self.executor.check_health()
+        """False while stages are dead or being replaced, and once the engine stopped."""
+        return not self._dead and not self._needs_restart and self.executor.check_health()
 
     def shutdown(self) -> None:
+        """Stop the workers (idempotent); later steps raise :class:`EngineDeadError`."""
+        self._dead = self._dead or "engine was shut down"
         self.executor.shutdown()
 
 

@@ -133,11 +133,16 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq)
-        seq.status = SequenceStatus.WAITING
+        self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Send a running sequence back to the front of the queue; it will recompute."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.in_flight = False
+        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     # -- results --------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache bytes per stage on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--control-plane", default=None, choices=["cgraph", "direct"],
+                        help="how steps reach the stages (default: RAYPP_CONTROL_PLANE, cgraph)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="stage-worker replacements allowed in a rolling window (default 3)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -42,6 +46,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         ray_address=args.ray_address,
         device=args.device,
+        control_plane=args.control_plane,
+        max_restarts=args.max_restarts,
     )
     optional = {
         "max_num_seqs": args.max_num_seqs,

@@ -14,6 +14,8 @@ import atexit
 import contextlib
 import logging
 import os
+import threading
+import time
 import uuid
 import weakref
 from typing import Any
@@ -25,10 +27,12 @@ from raypp.engine.step import StepInput, StepOutput
 envs.apply_ray_cgraph_env()  # before ray.dag is imported anywhere in this process
 
 import ray  # noqa: E402
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from raypp.distributed.ray_communicator import RayPPCommunicator  # noqa: E402
+from raypp.executor.errors import StageDiedError, StageError, StepTimeoutError  # noqa: E402
 from raypp.executor.worker import StageWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -156,6 +160,11 @@ class RayExecutor:
         self.dag: Any = None
         self._actors = StageActors(config, self.namespace)
         self.workers = self._actors.workers  # [pp_rank][tp_rank]
+        self._lock = threading.RLock()  # guards dag against the idle-suspend watchdog
+        self._inflight = 0
+        self._last_active = time.monotonic()
+        self._stop = threading.Event()
+        self._healthy = True
         ensure_ray(pc.ray_address)
         try:
             self.num_kv_blocks = self._actors.start()
@@ -164,6 +173,9 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
+        self._watchdog = threading.Thread(target=self._watch, name="raypp-executor-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
         _LIVE.add(self)
 
     # -- start-up ----------------------------------------------------------------------
@@ -188,6 +200,7 @@ class RayExecutor:
         self.dag = node.experimental_compile(
             _max_inflight_executions=max(1, self.config.scheduler.max_inflight or 1),
             _buffer_size_bytes=self._channel_buffer_bytes(),
+            _submit_timeout=envs.RAYPP_STEP_TIMEOUT_S,
         )
 
     def _pp_transport(self) -> Any:
@@ -213,11 +226,112 @@ class RayExecutor:
 
     # -- stepping -------------------------------------------------------------------
     def submit(self, step: StepInput) -> Any:
-        """Start a step; returns a handle for :meth:`result`."""
-        return self.dag.execute(step)
+        """Start a step; returns a handle for :meth:`result`.
+
+        A graph suspended while idle is recompiled first (same actors, groups,
+        weights and KV cache).
+        """
+        with self._lock:
+            if self.dag is None:
+                if not self.workers:
+                    raise StageDiedError("executor is shut down")
+                self._compile()
+            self._inflight += 1
+            self._last_active = time.monotonic()
+            try:
+                return self.dag.execute(step)
+            except Exception as e:
+                self._inflight -= 1
+                raise self._classify(e) from e
 
     def result(self, handle: Any, timeout: float | None = None) -> StepOutput:
-        return ray.get(handle, timeout=timeout if timeout is not None else envs.RAYPP_STEP_TIMEOUT_S)
+        """The step's output, or :class:`StageError` / :class:`StageDiedError` /
+        :class:`StepTimeoutError` (after ``timeout``, default ``RAYPP_STEP_TIMEOUT_S``)."""
+        timeout = envs.RAYPP_STEP_TIMEOUT_S if timeout is None else timeout
+        try:
+            return ray.get(handle, timeout=timeout)
+        except Exception as e:
+            raise self._classify(e) from e
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                self._last_active = time.monotonic()
+
+    def _classify(self, e: Exception) -> Exception:
+        if isinstance(e, StageError):  # RayTaskError re-raised as the stage's own error
+            cause = getattr(e, "cause", None)
+            return StageError(str(cause) if cause is not None else _first_line(e))
+        if isinstance(e, (RayChannelTimeoutError, GetTimeoutError, TimeoutError)):
+            dead = self._dead_stages()
+            if dead:
+                return StageDiedError(f"{dead}: {e}")
+            return StepTimeoutError(
+                f"no step result within {envs.RAYPP_STEP_TIMEOUT_S:g} s although every stage "
+                "answers (RAYPP_STEP_TIMEOUT_S): a stage is stuck"
+            )
+        dead = self._dead_stages()
+        return StageDiedError(f"{dead or 'the compiled graph broke'}: {type(e).__name__}: "
+                              f"{_first_line(e)}")
+
+    def _dead_stages(self) -> str:
+        """``"stage k (raypp_worker_k_0) died"`` for each dead stage, or ``""``."""
+        refs = [w.ping.remote() for w in self.all_workers]
+        dead = []
+        for worker_index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=2.0)
+            except RayActorError:
+                pp_rank, tp_rank = divmod(worker_index, self.tp_size)
+                dead.append(f"stage {pp_rank} (actor raypp_worker_{pp_rank}_{tp_rank}) died")
+            except Exception:  # noqa: BLE001 - slow is not dead
+                continue
+        if dead:
+            self._healthy = False
+        return "; ".join(dead)
+
+    # -- idle suspend and liveness ---------------------------------------------------------
+    def _watch(self) -> None:
+        """Every second: mark dead workers unhealthy; tear the graph down when idle.
+
+        An idle compiled graph's stage loops poll their channels and burn most of
+        a core each (probe addendum); suspending after ``RAYPP_IDLE_SUSPEND_S``
+        brings an idle engine to ~0 % CPU at the price of one recompile (~0.3 s)
+        on the next request.
+        """
+        idle_after = envs.RAYPP_IDLE_SUSPEND_S
+        while not self._stop.wait(1.0):
+            try:
+                alive = ray.wait([w.ping.remote() for w in self.all_workers],
+                                 num_returns=len(self.all_workers), timeout=5.0)[0]
+                for ref in alive:
+                    ray.get(ref)
+            except RayActorError:
+                self._healthy = False
+            except Exception:  # noqa: BLE001 - cluster going away at shutdown
+                pass
+            if idle_after > 0:
+                self._suspend_if_idle(idle_after)
+
+    def _suspend_if_idle(self, idle_after: float) -> None:
+        with self._lock:
+            idle = time.monotonic() - self._last_active
+            if self.dag is None or self._inflight or idle < idle_after:
+                return
+            self._teardown_graph()
+            logger.debug("compiled graph suspended after %.1f s idle", idle)
+
+    @property
+    def suspended(self) -> bool:
+        return self.dag is None and bool(self.workers)
+
+    def _teardown_graph(self) -> None:
+        if self.dag is None:
+            return
+        try:
+            self.dag.teardown()
+        except Exception as e:  # noqa: BLE001 - teardown must finish
+            logger.warning("compiled graph teardown: %s", e)
+        self.dag = None
 
     # -- introspection ---------------------------------------------------------------------
     def comm_stats(self) -> list[dict[str, Any]]:
@@ -239,25 +353,28 @@ class RayExecutor:
         return out
 
     def check_health(self, timeout: float = 5.0) -> bool:
-        """True while every worker answers a ping."""
-        try:
-            ray.get([w.ping.remote() for w in self.all_workers], timeout=timeout)
-            return True
-        except Exception:  # noqa: BLE001 - any failure means unhealthy
-            return False
+        """False once any worker is known dead (checked every second by the watchdog)."""
+        return self._healthy and bool(self.workers)
 
     # -- teardown -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Tear down the graph, kill the workers, free the placement group (idempotent)."""
+        """Kill the workers, tear down the graph, free the placement group (idempotent).
+
+        Workers go first: a graph whose stages are dead tears down at once, while
+        a stage stuck in a step would otherwise hold teardown until its timeout.
+        """
         _LIVE.discard(self)
-        if self.dag is not None:
-            try:
-                self.dag.teardown()
-            except Exception as e:  # noqa: BLE001 - teardown must finish
-                logger.warning("compiled graph teardown: %s", e)
-            self.dag = None
-        self._actors.kill()
-        self.workers = []
+        self._stop.set()
+        self._healthy = False
+        with self._lock:
+            self._actors.kill()
+            self._teardown_graph()
+            self.workers = []
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 _LIVE: weakref.WeakSet[RayExecutor] = weakref.WeakSet()

@@ -22,6 +22,7 @@ from raypp.distributed.parallel_state import RankLayout
 from raypp.engine.sampler import sample
 from raypp.engine.step import StepInput, StepOutput
 from raypp.executor.cuda_graphs import DecodeGraphs
+from raypp.executor.errors import StageError
 from raypp.executor.faults import FaultInjector
 from raypp.model.layers import AttentionMetadata, TPContext
 from raypp.model.llama import StageSpec
@@ -31,10 +32,6 @@ from raypp.model.registry import model_class
 logger = logging.getLogger(__name__)
 
 Intermediate = dict[str, torch.Tensor]
-
-
-class StageError(RuntimeError):
-    """An exception raised inside a stage, naming the stage."""
 
 
 class StageWorker:
