@@ -34,9 +34,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raypp import envs
-from raypp.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from raypp.engine.async_engine import AsyncLLMEngine
 from raypp.entrypoints import protocol as p
 from raypp.entrypoints.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
+from raypp.executor.errors import EngineDeadError
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.sampling_params import SamplingParams
 
