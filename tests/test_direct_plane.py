@@ -4,7 +4,6 @@ within seconds, nothing left behind on shutdown."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from pathlib import Path
@@ -14,14 +13,12 @@ import pytest
 import ray
 import torch
 
-import raypp.executor.ray_executor as rx
-from raypp import LLM, SamplingParams
+from raypp import LLM, RequestFailedError, SamplingParams
 from raypp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from raypp.engine.engine import LLMEngine
 from raypp.engine.step import SamplingBatch, StepInput
 from raypp.executor.base import make_executor
-from raypp.executor.direct_executor import DirectExecutor, StageDiedError
-from raypp.executor.worker import StageError
+from raypp.executor.direct_executor import DirectExecutor
+from raypp.executor.errors import StageDiedError
 
 KV_BYTES = 16 * 2**20
 MAX_NEW = 10
@@ -29,21 +26,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 TEXTS = ["The list type", "A", "Assert statements are a convenient way to insert debugging",
          "def ", "Exceptions are raised when"]
 
-# Until LLM/LLMEngine pick the plane themselves (make_executor), build it for them.
-_LLM_TAKES_PLANE = "control_plane" in inspect.signature(LLM.__init__).parameters
-_ENGINE_USES_FACTORY = "make_executor" in inspect.getsource(LLMEngine.__init__)
-_EXECUTORS = {"cgraph": rx.RayExecutor, "direct": DirectExecutor}
-
-
 def _llm(model_dir: Path, plane: str, pp: int, **kwargs) -> LLM:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYPP_CONTROL_PLANE", plane)
-        if _LLM_TAKES_PLANE:
-            kwargs["control_plane"] = plane
-        elif not _ENGINE_USES_FACTORY:
-            mp.setattr(rx, "RayExecutor", _EXECUTORS[plane])
-        llm = LLM(str(model_dir), pipeline_parallel_size=pp, kv_cache_memory_bytes=KV_BYTES,
-                  **kwargs)
+    llm = LLM(str(model_dir), pipeline_parallel_size=pp, control_plane=plane,
+              kv_cache_memory_bytes=KV_BYTES, **kwargs)
     assert llm.engine.executor.control_plane == plane
     return llm
 
@@ -231,40 +216,56 @@ def test_idle_stages_use_almost_no_cpu(engines, tiny_llama):
 
 def test_stage_error_fails_only_its_step(ray_cluster, tiny_llama, monkeypatch):
     monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:1:3")  # stage 1 raises at step id 3
-    with _llm(tiny_llama, "direct", 3) as llm:
+    with _llm(tiny_llama, "direct", 3, max_num_seqs=len(TEXTS)) as llm:
         prompts = _prompts(llm)
-        with pytest.raises(StageError, match="stage 1 .*failed at step 3"):
+        with pytest.raises(RequestFailedError) as err:
             _generate(llm, prompts)
-        assert llm.is_healthy()
-        assert _generate(llm, prompts) == _hf_greedy(tiny_llama, prompts, MAX_NEW)
+        failure = err.value
+        assert 0 < len(failure.errors) < len(prompts)
+        assert all("stage 1" in e and "injected fault at step 3" in e
+                   for e in failure.errors.values())
+        reference = _hf_greedy(tiny_llama, prompts, MAX_NEW)
+        for index, out in enumerate(failure.outputs):
+            if index not in failure.errors:
+                assert out.outputs[0].token_ids == reference[index]
+        assert llm.is_healthy() and llm.engine.restarts == 0
+        assert _generate(llm, prompts) == reference  # the same pipeline serves on
 
 
-@pytest.mark.parametrize("victim", [1, 2])
-def test_killed_stage_raises_within_seconds(ray_cluster, tiny_llama, victim):
-    llm = _llm(tiny_llama, "direct", 3)
-    try:
-        pids = _stage_pids(llm)
-        engine = llm.engine
-        engine.add_request("long", {"prompt_token_ids": _prompts(llm)[2]},
-                           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-        for _ in range(3):
-            engine.step()  # steps are in flight now
-        ray.kill(engine.executor.workers[victim][0], no_restart=True)
-        killed = time.monotonic()
-        with pytest.raises(StageDiedError, match=f"stage {victim} .*died") as err:
-            for _ in range(1000):
-                engine.step()
-        took = time.monotonic() - killed
-        assert took < 10, f"the dead stage was reported after {took:.1f} s"
-        assert "raypp_worker" in str(err.value)
-        assert not llm.is_healthy()
-        with pytest.raises(StageDiedError):  # stays down, fails fast
-            engine.executor.submit(_prefill_step(10_000, [1, 2], first_block=0))
-    finally:
-        done = threading.Event()
-        threading.Thread(target=lambda: (llm.shutdown(), done.set()), daemon=True).start()
-        assert done.wait(15), "shutdown hung after a stage died"
-    assert _wait_gone(pids, within_s=10) == []
+def _kill_soon(actor, delay: float, killed_at: list[float]) -> threading.Thread:
+    def kill() -> None:
+        time.sleep(delay)
+        killed_at.append(time.monotonic())
+        ray.kill(actor, no_restart=True)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killed_stage_fails_within_seconds_then_engine_recovers(ray_cluster, tiny_llama):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with _llm(tiny_llama, "direct", 3, max_restarts=5) as llm:
+        prompts = _prompts(llm)
+        for round_, victim in enumerate([1, 2]):  # a middle stage, then the last
+            old = llm.engine.executor
+            pids = _stage_pids(llm)
+            killed_at: list[float] = []
+            killer = _kill_soon(old.workers[victim][0], 1.0, killed_at)
+            with pytest.raises(RequestFailedError) as err:
+                _generate(llm, prompts * 2, long)
+            took = time.monotonic() - killed_at[0]
+            killer.join()
+            assert took < 10, f"the dead stage was reported after {took:.1f} s"
+            assert f"stage {victim} (actor raypp_worker_{victim}_0) died" in str(err.value)
+            assert not old.check_health()
+            with pytest.raises(StageDiedError):  # the old executor stays down, fails fast
+                old.submit(_prefill_step(10_000, [1, 2], first_block=0))
+            assert _wait_gone(pids, within_s=10) == []  # no stage process left behind
+            # the engine replaced the stages with a fresh direct plane
+            assert _generate(llm, prompts) == _hf_greedy(tiny_llama, prompts, MAX_NEW)
+            assert llm.engine.executor.control_plane == "direct"
+            assert llm.engine.restarts == round_ + 1 and llm.is_healthy()
 
 
 def test_make_executor_rejects_unknown_plane(tiny_llama):

@@ -2,13 +2,14 @@
 
 Ray places and supervises the stage actors exactly as for the compiled graph
 (:class:`~raypp.executor.ray_executor.StageActors`). Then each stage runs a loop
-on a thread of its actor:
+(:class:`_StageLoop`, on threads of its actor) that, per step:
 
-1. take the next step descriptor from its queue (ZeroMQ PULL; a blocking wait),
-2. stages after the first: ``recv_tensor_dict`` from the previous stage over the
+1. takes the next step descriptor from its queue (ZeroMQ PULL; a blocking wait),
+2. after the first stage: ``recv_tensor_dict`` from the previous stage over the
    PP group,
-3. ``StageWorker.execute_step`` — the same per-step compute the compiled graph runs,
-4. ``send_tensor_dict`` to the next stage, or (last stage) push the
+3. runs ``StageWorker.execute_step`` — the same per-step compute the compiled
+   graph runs,
+4. ``send_tensor_dict`` to the next stage, or (last stage) pushes the
    :class:`StepOutput` to the driver's result queue.
 
 The driver sends every step to every stage at ``submit``, so up to
@@ -16,9 +17,11 @@ The driver sends every step to every stage at ``submit``, so up to
 in submission order. A step that fails in a stage is passed down as a failure
 marker instead of tensors, so only that step fails and the pipeline stays usable.
 A stage whose actor dies, or whose loop breaks (e.g. the PP group lost a peer),
-makes :meth:`DirectExecutor.result` raise :class:`StageDiedError` within seconds:
-the driver waits on its result queue in short slices and pings the stage actors
-whenever a slice passes without a result.
+makes :meth:`DirectExecutor.result` raise
+:class:`~raypp.executor.errors.StageDiedError` within seconds: the driver waits
+on its result queue in short slices and pings the stage actors whenever a slice
+passes without a result. Errors are those of :mod:`raypp.executor.errors`, as
+for the compiled graph, so the engine handles both planes alike.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import os
 import pickle
+import queue
 import threading
 import time
 import uuid
@@ -43,8 +47,9 @@ from raypp.config import EngineConfig
 from raypp.distributed import parallel_state
 from raypp.engine.step import StepInput, StepOutput
 from raypp.executor import message_queue as mq
+from raypp.executor.errors import StageDiedError, StageError, StepTimeoutError
 from raypp.executor.ray_executor import StageActors, ensure_ray
-from raypp.executor.worker import StageError, StageWorker
+from raypp.executor.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +58,8 @@ _PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this
 _SEND_TIMEOUT_S = 5.0  # a queue with a live, connected peer takes a message at once
 _READY_TIMEOUT_S = 60.0  # stage loops connecting at start-up
 _STOP_WAIT_S = 2.0  # clean loop exit at shutdown before the actors are killed
+_QUEUE_DEPTH = 4  # steps buffered between a stage's threads
 _FAILED = "__raypp_step_failed__"  # key of a failure marker sent down the pipeline
-
-
-class StageDiedError(RuntimeError):
-    """A stage actor died or its loop broke; this executor can run no more steps."""
 
 
 @dataclass(frozen=True)
@@ -164,20 +166,21 @@ class DirectExecutor:
         if step.step_id in self._pending:
             raise ValueError(f"step id {step.step_id} is already in flight")
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-        for pp_rank, queue in enumerate(self._steps):
+        for pp_rank, sender in enumerate(self._steps):
             try:
-                queue.send_bytes(data, _SEND_TIMEOUT_S)
+                sender.send_bytes(data, _SEND_TIMEOUT_S)
             except TimeoutError as e:
                 self._check_stages()
-                raise TimeoutError(f"stage {pp_rank} took no step for {_SEND_TIMEOUT_S:g} s "
-                                   "though its actor is alive") from e
+                raise StepTimeoutError(f"stage {pp_rank} took no step for "
+                                       f"{_SEND_TIMEOUT_S:g} s though its actor is alive") from e
         self._pending.add(step.step_id)
         return step.step_id
 
     def result(self, handle: int, timeout: float | None = None) -> StepOutput:
-        """The step's output; ``StageError`` if it failed in a stage, ``StageDiedError``
-        if a stage died, ``TimeoutError`` after ``timeout`` (default
-        ``RAYPP_STEP_TIMEOUT_S``) seconds without a result."""
+        """The step's output; :class:`StageError` if it failed in a stage,
+        :class:`StageDiedError` if a stage died (within seconds), and
+        :class:`StepTimeoutError` after ``timeout`` (default ``RAYPP_STEP_TIMEOUT_S``)
+        seconds without a result while every stage is alive."""
         if handle not in self._pending:
             raise ValueError(f"step {handle} was not submitted or its result was taken")
         timeout = envs.RAYPP_STEP_TIMEOUT_S if timeout is None else timeout
@@ -186,9 +189,9 @@ class DirectExecutor:
             self._raise_if_broken()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"step {handle} gave no result within {timeout:g} s; the "
-                                   "stages are alive (raise RAYPP_STEP_TIMEOUT_S if steps are "
-                                   "this slow)")
+                raise StepTimeoutError(
+                    f"no step result within {timeout:g} s although every stage answers "
+                    "(RAYPP_STEP_TIMEOUT_S): a stage is stuck")
             msg = self._results.recv(min(remaining, _SLICE_S))
             if msg is None:
                 self._check_stages()
@@ -205,12 +208,22 @@ class DirectExecutor:
         if kind in ("out", "err"):
             self._done[msg[1]] = (kind, msg[2])
         elif kind == "fatal":
-            self._check_stages()  # name a dead stage first: it is usually the cause
-            self._broken = f"stage {msg[1]}'s loop stopped: {msg[2]}"
+            # A loop breaks when its PP peer dies (gloo sees the reset first): name the
+            # dead stage if Ray confirms one within a moment, else the broken loop.
+            deadline = time.monotonic() + _PING_TIMEOUT_S
+            while not (dead := self._dead_stages()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self._broken = "; ".join(dead) or f"stage {msg[1]}'s loop stopped: {msg[2]}"
             self._raise_if_broken()
 
     def _check_stages(self) -> None:
         """Raise ``StageDiedError`` naming every stage whose actor is dead."""
+        dead = self._dead_stages()
+        if dead:
+            self._broken = "; ".join(dead)
+            self._raise_if_broken()
+
+    def _dead_stages(self) -> list[str]:
         refs = [w.ping.remote() for w in self.stages]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=_PING_TIMEOUT_S)
         dead = []
@@ -220,16 +233,14 @@ class DirectExecutor:
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as e:
-                dead.append(f"stage {pp_rank} (actor raypp_worker_{pp_rank}_0 in namespace "
-                            f"{self.namespace}) died: {type(e).__name__}: {_first_line(e)}")
-        if dead:
-            self._broken = "; ".join(dead)
-            self._raise_if_broken()
+                dead.append(f"stage {pp_rank} (actor raypp_worker_{pp_rank}_0) died: "
+                            f"{type(e).__name__}: {_first_line(e)}")
+        return dead
 
     def _raise_if_broken(self) -> None:
         if self._broken is not None:
-            raise StageDiedError(f"direct control plane is down: {self._broken}. Restart "
-                                 "the engine to continue.")
+            raise StageDiedError(f"{self._broken} (direct control plane, namespace "
+                                 f"{self.namespace})")
 
     # -- introspection ---------------------------------------------------------------------
     def comm_stats(self) -> list[dict[str, Any]]:
@@ -259,8 +270,8 @@ class DirectExecutor:
         _LIVE.discard(self)
         if self._results is not None and self._broken is None and self.stage_pids:
             self._stop_loops()
-        for queue in self._steps:
-            queue.close()
+        for sender in self._steps:
+            sender.close()
         self._steps = []
         if self._results is not None:
             self._results.close()
@@ -276,8 +287,8 @@ class DirectExecutor:
     def _stop_loops(self) -> None:
         stopped: set[int] = set()
         with contextlib.suppress(TimeoutError):
-            for queue in self._steps:
-                queue.send(("stop",), timeout_s=0.5)
+            for sender in self._steps:
+                sender.send(("stop",), timeout_s=0.5)
             deadline = time.monotonic() + _STOP_WAIT_S
             while len(stopped) < len(self._steps) and time.monotonic() < deadline:
                 msg = self._results.recv(max(0.0, deadline - time.monotonic()))
@@ -309,67 +320,139 @@ def _node_id(worker: StageWorker) -> str:
 
 
 def _loop_alive(worker: StageWorker) -> bool:
-    thread = getattr(worker, "_direct_loop", None)
-    return thread is not None and thread.is_alive()
+    loop = getattr(worker, "_direct_loop", None)
+    return loop is not None and loop.alive()
 
 
 def _start_stage_loop(worker: StageWorker, spec: _LoopSpec) -> int:
-    """Start this stage's loop on a thread of the actor; returns the actor's pid."""
+    """Start this stage's loop on threads of the actor; returns the actor's pid."""
     if _loop_alive(worker):
         raise RuntimeError(f"stage {worker.pp_rank} already runs a direct-plane loop")
-    thread = threading.Thread(target=_stage_loop, args=(worker, spec),
-                              name=f"raypp-direct-stage{worker.pp_rank}", daemon=True)
-    worker._direct_loop = thread
-    thread.start()
+    worker._direct_loop = _StageLoop(worker, spec)
+    worker._direct_loop.start()
     return os.getpid()
 
 
-def _stage_loop(worker: StageWorker, spec: _LoopSpec) -> None:
-    """Run steps until told to stop; report a broken loop to the driver before exiting."""
-    ctx = mq.new_context()
-    steps = mq.Receiver(ctx, connect=spec.steps_address)
-    results = mq.Sender(ctx, connect=spec.results_address)
-    pp_rank = worker.pp_rank
-    try:
-        pp = parallel_state.get_pp_group()
-        results.send(("ready", pp_rank, os.getpid()), _SEND_TIMEOUT_S)
-        while True:
-            msg = steps.recv(_SLICE_S)  # blocks in zmq_poll: an idle stage sleeps
-            if msg is None:
-                continue
-            if isinstance(msg, tuple):  # ("stop",)
-                results.send(("stopped", pp_rank), _SEND_TIMEOUT_S)
-                return
-            reply = _run_step(worker, pp, msg)
-            if reply is not None:
-                results.send(reply, _SEND_TIMEOUT_S)
-    except BaseException as e:  # noqa: BLE001 - reported, then the loop ends
-        logger.exception("stage %d direct-plane loop failed", pp_rank)
-        with contextlib.suppress(Exception):
-            results.send(("fatal", pp_rank, f"{type(e).__name__}: {e}"), 1.0)
-    finally:
-        steps.close()
-        results.close()
-        ctx.term()
+_STOP = object()  # ends a thread of the stage loop, in FIFO order behind the steps
 
 
-def _run_step(worker: StageWorker, pp: Any, step: StepInput) -> tuple | None:
-    """One step on this stage; the driver's reply on the last stage, else ``None``.
+class _StageLoop:
+    """The direct plane inside one stage: three threads joined by FIFO queues.
 
-    Errors of the step's compute (``StageError``) fail only this step: the stage
-    sends a failure marker down instead of tensors. Errors moving tensors propagate
-    and end the loop (the PP group is unusable then).
+    ``intake`` takes descriptors from the step queue and, after the first stage,
+    receives the step's tensors (``recv_tensor_dict``); ``compute`` runs
+    ``execute_step``; ``send`` passes tensors on (``send_tensor_dict``) — the last
+    stage's ``compute`` replies to the driver instead. So a stage receives step
+    k+1 and sends step k-1 while it computes step k: transfers overlap compute.
+    Every wait blocks with a timeout (zmq poll, queue get/put); nothing spins.
+    A step whose compute raises ``StageError`` is passed down as a failure marker;
+    any other error ends the loop and is reported to the driver as fatal.
     """
-    failure = None
-    inputs = None if pp.is_first_rank else pp.recv_tensor_dict(pp.prev_rank)
-    if inputs is not None and _FAILED in inputs:
-        failure = inputs[_FAILED]
-    else:
+
+    def __init__(self, worker: StageWorker, spec: _LoopSpec):
+        self.worker, self.spec = worker, spec
+        self.rank = worker.pp_rank
+        self.pp = parallel_state.get_pp_group()
+        self.stop = threading.Event()
+        self.ctx = mq.new_context()
+        self._results = mq.Sender(self.ctx, connect=spec.results_address)
+        self._results_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self._work: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._outgoing: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        parts = [self._intake, self._compute] + ([] if self.pp.is_last_rank else [self._send])
+        self.threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True,
+                                         name=f"raypp-direct-{self.rank}-{fn.__name__[1:]}")
+                        for fn in parts]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def alive(self) -> bool:
+        return not self.stop.is_set() and all(t.is_alive() for t in self.threads)
+
+    # -- the three threads --------------------------------------------------------------
+    def _intake(self) -> None:
+        steps = mq.Receiver(self.ctx, connect=self.spec.steps_address)
         try:
-            out = worker.execute_step(step if inputs is None else (step, inputs))
-        except StageError as e:
-            failure = str(e)
-    if pp.is_last_rank:
-        return ("err", step.step_id, failure) if failure else ("out", step.step_id, out)
-    pp.send_tensor_dict({_FAILED: failure} if failure else out[1], pp.next_rank)
-    return None
+            self._report(("ready", self.rank, os.getpid()))
+            while not self.stop.is_set():
+                msg = steps.recv(_SLICE_S)  # blocks in zmq_poll: an idle stage sleeps
+                if msg is None:
+                    continue
+                if isinstance(msg, tuple):  # ("stop",)
+                    self._put(self._work, _STOP)
+                    return
+                pp = self.pp
+                inputs = None if pp.is_first_rank else pp.recv_tensor_dict(pp.prev_rank)
+                self._put(self._work, (msg, inputs))
+        finally:
+            steps.close()
+
+    def _compute(self) -> None:
+        while (item := self._get(self._work)) is not _STOP:
+            step, inputs = item
+            failure = inputs.get(_FAILED) if inputs is not None else None
+            if failure is None:
+                try:
+                    out = self.worker.execute_step(step if inputs is None else (step, inputs))
+                except StageError as e:
+                    failure = str(e)
+            if self.pp.is_last_rank:
+                self._report(("err", step.step_id, failure) if failure
+                             else ("out", step.step_id, out))
+            else:
+                self._put(self._outgoing, {_FAILED: failure} if failure else out[1])
+        if self.pp.is_last_rank:
+            self._finish()
+        else:
+            self._put(self._outgoing, _STOP)
+
+    def _send(self) -> None:
+        while (tensors := self._get(self._outgoing)) is not _STOP:
+            self.pp.send_tensor_dict(tensors, self.pp.next_rank)
+        self._finish()
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _guard(self, fn: Any) -> None:
+        try:
+            fn()
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported, then the loop ends
+            logger.exception("stage %d direct-plane %s thread failed", self.rank, fn.__name__)
+            self.stop.set()
+            with contextlib.suppress(Exception):
+                self._report(("fatal", self.rank, f"{type(e).__name__}: {e}"))
+
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            try:
+                return q.get(timeout=_SLICE_S)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise _Stopped from None
+
+    def _put(self, q: queue.Queue, item: Any) -> None:
+        while True:
+            try:
+                return q.put(item, timeout=_SLICE_S)
+            except queue.Full:
+                if self.stop.is_set():
+                    raise _Stopped from None
+
+    def _report(self, msg: tuple) -> None:
+        with self._results_lock:
+            self._results.send(msg, _SEND_TIMEOUT_S)
+
+    def _finish(self) -> None:
+        """The last thread to stop says so, then closes the loop's sockets."""
+        self._report(("stopped", self.rank))
+        self.stop.set()
+        with self._results_lock:
+            self._results.close()
+        self.ctx.term()
+
+
+class _Stopped(Exception):
+    """Raised in a loop thread waiting on a queue once another thread has failed."""
