@@ -19,8 +19,10 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from raypp import LLM, SamplingParams
+from raypp.bench.serve import ServeBenchConfig, serve_bench
 from raypp.engine.async_engine import AsyncLLMEngine
-from raypp.entrypoints.openai_server import ServerConfig, ServerThread, build_app
+from raypp.entrypoints.cli import build_parser
+from raypp.entrypoints.openai_server import ServerConfig, ServerThread, build_app, run_server
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -253,6 +255,7 @@ BAD = [
     ("top_p 0", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, KEY, 400,
      "top_p"),
     ("n 0", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, KEY, 400, "n"),
+    ("n 1000", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000}, KEY, 400, "n"),
     ("logprobs 50", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50},
      KEY, 400, "logprobs"),
     ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0},
@@ -313,6 +316,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(served):
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
+        deadline = time.monotonic() + 10  # stats are published just after each step
+        while served.engine.stats().kv_blocks_used == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert served.engine.stats().kv_blocks_used > 0
     _wait_idle(served.engine)  # closed mid-stream: aborted, blocks freed
     assert _finished(served, "abort") == aborted + 1
@@ -350,6 +356,31 @@ def test_metrics_parse_and_move_with_traffic(served):
     for gauge in ("raypp_num_requests_running{}", "raypp_num_requests_waiting{}",
                   "raypp_kv_blocks_used{}"):
         assert after[gauge] == 0
+
+
+def test_serve_bench_load_generator(served, tmp_path):
+    cfg = ServeBenchConfig(url=served.url, api_key=KEY, concurrency=4, num_requests=8,
+                           max_tokens=4, warmup=1)
+    result = serve_bench(cfg)
+    assert result["failed"] == 0 and result["requests"] == 8
+    assert result["config"]["model"] == MODEL and result["config"]["api_key"] is None
+    assert result["ttft_ms"]["n"] == 8 and result["ttft_ms"]["p99"] >= result["ttft_ms"]["p50"]
+    assert result["requests_per_s"] > 0 and result["output_tokens_per_s"] > 0
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args(["bench", "serve", "--url", served.url, "--api-key", KEY,
+                                      "-c", "2", "-n", "2", "--max-tokens", "2",
+                                      "--endpoint", "chat", "--json", str(out)])
+    assert args.func(args) == 0
+    assert json.loads(out.read_text())["requests"] == 2
+
+
+def test_serve_command_line():
+    args = build_parser().parse_args(["serve", "/m", "-pp", "2", "--port", "9", "--api-key", "k",
+                                      "--served-model-name", "a", "b", "--max-model-len", "64"])
+    assert (args.model, args.pipeline_parallel_size, args.port, args.host) == ("/m", 2, 9,
+                                                                               "127.0.0.1")
+    assert args.served_model_name == ["a", "b"] and args.func is run_server
+    assert run_server(build_parser().parse_args(["serve"])) == 2  # no MODEL, no --demo
 
 
 def test_zz_health_turns_503_when_a_stage_dies(served):

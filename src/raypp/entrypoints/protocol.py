@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from raypp.sampling_params import SamplingParams
 
+MAX_N = 128  # completions per prompt, as OpenAI caps it
+
 
 class BadRequest(ValueError):
     """A request the server must refuse with 400; ``param`` names the offending field."""
@@ -69,6 +71,8 @@ class _SamplingRequest(_Strict):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """``ValueError`` naming the field for an invalid value."""
+        if self.n > MAX_N:
+            raise BadRequest(f"n must be at most {MAX_N}, got {self.n}", "n")
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
