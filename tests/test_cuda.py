@@ -116,7 +116,8 @@ def test_mixed_batch_matches_cpu_path():
     assert torch.allclose(gpu_cache.cpu(), cpu_cache)
 
 
-def test_decode_graphs_match_eager(tiny_llama):
+@pytest.mark.parametrize("compile_forward", [True, False])
+def test_decode_graphs_match_eager(tiny_llama, compile_forward):
     """Graph replays (with padding rows) give the eager forward's hidden states."""
     from raypp.config import ModelConfig
     from raypp.engine.step import StepInput
@@ -138,7 +139,9 @@ def test_decode_graphs_match_eager(tiny_llama):
               for _ in range(mc.num_layers)]
     graphs = DecodeGraphs(model, caches, is_first=True, max_num_seqs=8, max_blocks_per_seq=8,
                           hidden_size=mc.hidden_size, dtype=torch.float32,
-                          device=torch.device("cuda")).capture()
+                          device=torch.device("cuda"), compile_forward=compile_forward).capture()
+    assert graphs.compile_error is None
+    assert graphs.compiled_sizes == ([8, 4, 2, 1] if compile_forward else [])
     for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
         step = StepInput(
@@ -159,9 +162,9 @@ def test_decode_graphs_match_eager(tiny_llama):
             positions = torch.tensor(step.positions, device="cuda")
             ids = torch.tensor(step.input_ids, device="cuda")
             want, _ = model(positions, meta, caches, input_ids=ids)
-        assert _rel(got, want) < 1e-5
+        assert _rel(got, want) < 1e-4
         for c, g in zip(caches, after_graph, strict=True):  # padding rows wrote nothing
-            torch.testing.assert_close(g, c, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g, c, rtol=1e-4, atol=1e-4)
     assert graphs.replays == 3
 
 

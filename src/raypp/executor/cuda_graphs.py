@@ -6,11 +6,18 @@ graph of the smallest captured size ``g >= n``. Rows ``n..g`` are padding: slot
 position 0; their outputs are computed and dropped (rows never mix in decode).
 Steps that are not pure decode, or larger than the largest size, run eagerly.
 
-Every tensor a graph reads lives in :class:`StaticBuffers`. The per-step
-integer inputs (ids, positions, slots, lengths, block tables) are written into
-one pinned host buffer and moved with two asynchronous copies, so a step costs
-no synchronous host-to-device transfer. ``RAYPP_ENFORCE_EAGER=1`` turns capture
-off (the worker then never builds a :class:`DecodeGraphs`).
+The captured forward is ``torch.compile``-d first (unless ``compile=False``):
+Inductor fuses the many small element-wise kernels of a layer (RMSNorm, rotary,
+SiLU·mul, casts) while the paged attention stays one opaque custom op. One
+compilation with a dynamic batch dimension serves every size (plus one for batch
+1); a size whose compilation fails is captured from the eager forward instead.
+
+Every tensor a graph reads lives in :class:`StaticBuffers`. The per-step integer
+inputs (ids, positions, slots, lengths, block tables) are written into one
+pinned host buffer and copied asynchronously, so a step costs no synchronous
+host-to-device transfer. ``RAYPP_ENFORCE_EAGER=1`` turns graphs off (the worker
+then never builds a :class:`DecodeGraphs`); ``RAYPP_COMPILE_DECODE=0`` keeps
+graphs but skips ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from raypp.model.layers import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
+_INT_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")
+_PAD_VALUES = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0}
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, then every multiple of 8, up to and including ``max_num_seqs``."""
@@ -40,53 +50,48 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class StaticBuffers:
     """The one place that holds what captured graphs read (views ``[:g]`` of these).
 
-    ``packed`` on the device and ``host`` (pinned) share one layout: ids,
-    positions, slots, context lengths (``max_rows`` each), then the block
-    tables (``max_rows × width``), all int64.
+    ``host`` (pinned) stages every integer input in one layout: ids, positions,
+    slots, context lengths (``max_rows`` each), then the block tables
+    (``max_rows × width``), all int64; each device tensor is its own allocation.
     """
 
     max_rows: int
     width: int
-    packed: torch.Tensor
     host: torch.Tensor
+    input_ids: torch.Tensor  # [max_rows] int64
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [max_rows, width] int64
     hidden_states: torch.Tensor | None  # [max_rows, hidden]: input of a non-first stage
     residual: torch.Tensor | None
 
     @classmethod
     def allocate(cls, max_rows: int, width: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, is_first: bool) -> StaticBuffers:
-        size = 4 * max_rows + max_rows * width
-        host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
-        host[2 * max_rows : 3 * max_rows] = -1  # padding rows write no cache slot
-        packed = host.to(device)
+        host = torch.zeros(4 * max_rows + max_rows * width, dtype=torch.int64, pin_memory=True)
+        ints = {name: torch.full((max_rows,), _PAD_VALUES[name], dtype=torch.int64,
+                                 device=device) for name in _INT_FIELDS}
+        tables = torch.zeros(max_rows, width, dtype=torch.int64, device=device)
         hidden = residual = None
         if not is_first:
             hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             residual = torch.zeros_like(hidden)
-        return cls(max_rows, width, packed, host, hidden, residual)
+        return cls(max_rows, width, host, block_tables=tables, hidden_states=hidden,
+                   residual=residual, **ints)
 
-    def _field(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        return t[i * self.max_rows : (i + 1) * self.max_rows]
 
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self._field(self.packed, 0)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._field(self.packed, 1)
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self._field(self.packed, 2)
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self._field(self.packed, 3)
-
-    @property
-    def block_tables(self) -> torch.Tensor:
-        return self.packed[4 * self.max_rows :].view(self.max_rows, self.width)
+def decode_forward(model: Any, kv_caches: list[torch.Tensor], positions: torch.Tensor,
+                   slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, input_ids: torch.Tensor | None,
+                   hidden_states: torch.Tensor | None, residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stage's forward for a decode batch, from tensors only (what gets compiled)."""
+    meta = AttentionMetadata(slot_mapping=slot_mapping, query_start=[], seq_lens=[],
+                             block_tables=block_tables, decode_only=True,
+                             seq_lens_tensor=seq_lens)  # the CUDA decode path reads tensors only
+    return model(positions, meta, kv_caches, input_ids=input_ids, hidden_states=hidden_states,
+                 residual=residual)
 
 
 class DecodeGraphs:
@@ -94,7 +99,8 @@ class DecodeGraphs:
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], *, is_first: bool,
                  max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None):
+                 dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None,
+                 compile_forward: bool = True):
         self.model = model
         self.kv_caches = kv_caches
         self.is_first = is_first
@@ -106,27 +112,39 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._copied: torch.cuda.Event | None = None
+        self._compiled = torch.compile(decode_forward, fullgraph=True) if compile_forward else None
+        self.compiled_sizes: list[int] = []  # sizes whose graph holds the compiled forward
+        self.compile_error: str | None = None
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
         self.capture_seconds = 0.0
 
     # -- capture ---------------------------------------------------------------------------
-    def _metadata(self, g: int) -> AttentionMetadata:
+    def _args(self, g: int) -> tuple[Any, ...]:
         b = self.buffers
-        return AttentionMetadata(
-            slot_mapping=b.slot_mapping[:g],
-            query_start=list(range(g + 1)),
-            seq_lens=[1] * g,  # unused on the CUDA decode path (tensors only)
-            block_tables=b.block_tables[:g],
-            decode_only=True,
-            seq_lens_tensor=b.seq_lens[:g],
-        )
+        rows = [b.positions[:g], b.slot_mapping[:g], b.block_tables[:g], b.seq_lens[:g],
+                b.input_ids[:g] if self.is_first else None,
+                None if self.is_first else b.hidden_states[:g],
+                None if self.is_first else b.residual[:g]]
+        return (self.model, self.kv_caches, *rows)
 
-    def _forward(self, g: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b = self.buffers
-        if self.is_first:
-            return self.model(b.positions[:g], meta, self.kv_caches, input_ids=b.input_ids[:g])
-        return self.model(b.positions[:g], meta, self.kv_caches,
-                          hidden_states=b.hidden_states[:g], residual=b.residual[:g])
+    def _warm(self, g: int) -> Any:
+        """Run size ``g`` once outside capture (compiling it); returns the forward to capture."""
+        args = self._args(g)
+        if self._compiled is not None and self.compile_error is None:
+            if g >= 2:  # one graph with a symbolic batch serves every size >= 2
+                for t in args[2:]:
+                    if t is not None:
+                        torch._dynamo.mark_dynamic(t, 0)
+            try:
+                self._compiled(*args)
+                self.compiled_sizes.append(g)
+                return self._compiled
+            except Exception as e:  # noqa: BLE001 - fall back to the eager forward
+                self.compile_error = f"{type(e).__name__}: {e}"
+                logger.warning("torch.compile of the decode forward failed (%s); capturing "
+                               "the eager forward", self.compile_error)
+        decode_forward(*args)
+        return decode_forward
 
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs:
@@ -135,20 +153,20 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for g in reversed(self.sizes):
-            meta = self._metadata(g)
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS handles
-                self._forward(g, meta)
+            with torch.cuda.stream(side):  # warm-up: compilation, Triton JIT, cuBLAS handles
+                forward = self._warm(g)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[g] = self._forward(g, meta)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._outputs[g] = forward(*self._args(g))
             self._graphs[g] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_size, self.capture_seconds)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d, %d compiled) in %.1f s",
+                    len(self.sizes), self.sizes[0], self.max_size, len(self.compiled_sizes),
+                    self.capture_seconds)
         return self
 
     # -- replay ----------------------------------------------------------------------------
@@ -187,23 +205,19 @@ class DecodeGraphs:
     def _stage_inputs(self, step: StepInput, g: int) -> None:
         # host: [ids | positions | slots | lens] (max_rows each) + tables [max_rows, width]
         if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has read the host buffer
+            self._copied.synchronize()  # the previous step's copies have read the host buffer
         m, n, h = self.max_size, step.num_seqs, self._host
-        h[0:n] = step.input_ids
-        h[n:g] = 0
-        h[m : m + n] = step.positions
-        h[m + n : m + g] = 0
-        h[2 * m : 2 * m + n] = step.slot_mapping
-        h[2 * m + n : 2 * m + g] = -1
-        h[3 * m : 3 * m + n] = step.seq_lens
-        h[3 * m + n : 3 * m + g] = 0
+        values = (step.input_ids, step.positions, step.slot_mapping, step.seq_lens)
+        for i, (name, vals) in enumerate(zip(_INT_FIELDS, values, strict=True)):
+            h[i * m : i * m + n] = vals
+            h[i * m + n : i * m + g] = _PAD_VALUES[name]
         width = self.buffers.width
         tables = h[4 * m :].reshape(m, width)
         for row, table in enumerate(step.block_tables):
             tables[row, : len(table)] = table
-        b = self.buffers
-        b.packed[: 4 * m].copy_(b.host[: 4 * m], non_blocking=True)
-        end = 4 * m + g * width
-        b.packed[4 * m : end].copy_(b.host[4 * m : end], non_blocking=True)
+        b, host = self.buffers, self.buffers.host
+        for i, name in enumerate(_INT_FIELDS):
+            getattr(b, name)[:g].copy_(host[i * m : i * m + g], non_blocking=True)
+        b.block_tables[:g].copy_(host[4 * m : 4 * m + g * width].view(g, width), non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
