@@ -86,6 +86,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _float("RAYPP_RESTART_WINDOW_S", "600"),
         "Rolling window, in seconds, over which restarts are counted.",
     ),
+    "RAYPP_COMPILE_DECODE": (
+        _bool("RAYPP_COMPILE_DECODE", "1"),
+        "1 (default): the decode forward captured in CUDA graphs is torch.compile-d first "
+        "(fused element-wise kernels). 0: capture the eager forward.",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),
