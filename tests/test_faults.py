@@ -131,23 +131,28 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
         assert again[0].outputs[0].token_ids and not executor.suspended
 
 
-def _stage_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["cmdline"])
-            if any("StageWorker" in part for part in (p.info["cmdline"] or []))}
-
-
 def test_create_shutdown_cycles_leak_nothing(ray_cluster, tiny_llama):
-    def live_stage_actors() -> int:
-        return len(_stage_processes())
-
-    with LLM(str(tiny_llama), pipeline_parallel_size=2) as warm:
-        warm.generate("A", SHORT, use_tqdm=False)
-    time.sleep(1)
-    baseline = live_stage_actors()
+    pids: set[int] = set()
+    namespaces = []
     for _ in range(20):
         with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:
             llm.generate("A", SHORT, use_tqdm=False)
-    deadline = time.monotonic() + 15
-    while live_stage_actors() > baseline and time.monotonic() < deadline:
+            executor = llm.engine.executor
+            pids.update(ray.get([w.ping.remote() for w in executor.all_workers]))
+            namespaces.append(executor.namespace)
+    assert len(pids) == 40  # every cycle had its own two stage processes
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.5)
-    assert live_stage_actors() <= baseline
+    assert not [p for p in pids if _running(p)], "stage processes outlived shutdown"
+    for namespace in namespaces:
+        for name in ("raypp_worker_0_0", "raypp_worker_1_0"):
+            with pytest.raises(ValueError):
+                ray.get_actor(name, namespace=namespace)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -165,6 +165,7 @@ class RayExecutor:
         self._last_active = time.monotonic()
         self._stop = threading.Event()
         self._healthy = True
+        self._broken = False  # a stage died or hung: no graceful teardown
         ensure_ray(pc.ray_address)
         try:
             self.num_kv_blocks = self._actors.start()
@@ -258,6 +259,12 @@ class RayExecutor:
                 self._last_active = time.monotonic()
 
     def _classify(self, e: Exception) -> Exception:
+        err = self._classify_inner(e)
+        if not isinstance(err, StageError):
+            self._broken = True
+        return err
+
+    def _classify_inner(self, e: Exception) -> Exception:
         if isinstance(e, StageError):  # RayTaskError re-raised as the stage's own error
             cause = getattr(e, "cause", None)
             return StageError(str(cause) if cause is not None else _first_line(e))
@@ -358,15 +365,19 @@ class RayExecutor:
 
     # -- teardown -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Kill the workers, tear down the graph, free the placement group (idempotent).
+        """Tear down the graph, kill the workers, free the placement group (idempotent).
 
-        Workers go first: a graph whose stages are dead tears down at once, while
-        a stage stuck in a step would otherwise hold teardown until its timeout.
+        After a failure the workers are killed first: a graph whose stages are
+        dead tears down at once, while a stuck stage would hold teardown until its
+        timeout.
         """
         _LIVE.discard(self)
         self._stop.set()
+        broken = self._broken or not self._healthy
         self._healthy = False
         with self._lock:
+            if not broken:
+                self._teardown_graph()
             self._actors.kill()
             self._teardown_graph()
             self.workers = []
