@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raypp import envs
+from raypp.bench.cluster import start_ray
 from raypp.bench.cpu import CpuMeter
 from raypp.bench.report import format_table, percentile, run_context, summarize, write_json
 
@@ -301,10 +302,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def run_hop_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the hop benchmark described by parsed ``add_hop_args`` options."""
-    envs.apply_ray_cgraph_env()  # before ray.dag is imported
-    from raypp.executor.ray_executor import ensure_ray
-
-    ensure_ray(getattr(args, "ray_address", None))
+    start_ray(getattr(args, "ray_address", None))
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []

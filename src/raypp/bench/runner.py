@@ -146,8 +146,10 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
 # -- building the engine and the workload ------------------------------------------------------
 def _make_llm(args: argparse.Namespace) -> Any:
     from raypp import LLM
+    from raypp.bench.cluster import start_ray
     from raypp.entrypoints.cli import engine_kwargs, resolve_model
 
+    start_ray(args.ray_address)
     if not args.timeline:
         return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
     previous = os.environ.get("RAYPP_TRACE_COMM")
@@ -203,12 +205,22 @@ def _base_result(args: argparse.Namespace, engine: Any, requests: list[BenchRequ
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "concurrency": concurrency,
-        "pp_transport": ("RayPPCommunicator" if engine.executor.use_wrapped_comm
-                         else "ray-native") if cfg.parallel.pipeline_parallel_size > 1 else None,
+        "control_plane": getattr(engine.executor, "control_plane", "cgraph"),
+        "pp_transport": _pp_transport(engine),
         "dataset": args.dataset,
         "input_len": None if args.dataset else args.input_len,
         "output_len": None if args.dataset else args.output_len,
     }
+
+
+def _pp_transport(engine: Any) -> str | None:
+    """What carries stage-to-stage tensors in this engine."""
+    executor = engine.executor
+    if engine.config.parallel.pipeline_parallel_size == 1:
+        return None
+    if getattr(executor, "control_plane", "cgraph") != "cgraph":
+        return "PP group send/recv (direct plane)"
+    return "RayPPCommunicator" if getattr(executor, "use_wrapped_comm", True) else "ray-native"
 
 
 def _load_avg() -> list[float] | None:
