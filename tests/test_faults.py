@@ -156,3 +156,27 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_stages_on_two_ray_nodes_generate_and_recover(tiny_llama):
+    """Stages on different raylets (a simulated 2-node cluster in a subprocess)."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    proc = subprocess.run(
+        [sys.executable, "-m", "raypp.testing.multinode", str(tiny_llama), "--kill-remote",
+         "--prompt-ids", ";".join(",".join(map(str, p)) for p in prompts)],
+        capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    report = json.loads(lines[-1][len("RESULT "):])
+    assert len(set(report["nodes"])) == 2, "stages were not spread over the two nodes"
+    reference = hf_greedy(tiny_llama, prompts, 8)
+    assert report["tokens"] == reference
+    assert report["kill_error"] and "died" in report["kill_error"]
+    assert report["kill_to_error_s"] < 10
+    assert report["after_kill_tokens"] == reference
+    assert len(set(report["nodes_after_kill"])) == 2

@@ -91,6 +91,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1 (default): the decode forward captured in CUDA graphs is torch.compile-d first "
         "(fused element-wise kernels). 0: capture the eager forward.",
     ),
+    "RAYPP_PLACEMENT_STRATEGY": (
+        _str("RAYPP_PLACEMENT_STRATEGY", "PACK"),
+        "Placement-group strategy for the stage bundles: PACK (default), SPREAD, "
+        "STRICT_PACK or STRICT_SPREAD (one stage per Ray node).",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),

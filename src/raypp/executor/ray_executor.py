@@ -92,7 +92,8 @@ class StageActors:
         on_gpu = self.config.device == "cuda"
         bundle = {"GPU": 1, "CPU": _WORKER_CPUS} if on_gpu else {"CPU": _WORKER_CPUS}
         world = self.pp_size * self.tp_size
-        self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        self._pg = placement_group([dict(bundle) for _ in range(world)],
+                                   strategy=envs.RAYPP_PLACEMENT_STRATEGY)
         ray.get(self._pg.ready(), timeout=_STARTUP_TIMEOUT_S)
         env = {k: v for k, v in os.environ.items() if k.startswith(("RAYPP_", "RAY_CGRAPH_"))}
         actor_cls = ray.remote(StageWorker)

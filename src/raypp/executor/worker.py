@@ -193,6 +193,12 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this stage runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         parallel_state.destroy_distributed()
 
