@@ -34,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raypp import envs
-from raypp.engine.async_engine import AsyncLLMEngine
+from raypp.engine.async_engine import AsyncLLMEngine, GenerationError
 from raypp.entrypoints import protocol as p
 from raypp.entrypoints.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
 from raypp.executor.errors import EngineDeadError
@@ -258,6 +258,11 @@ class _Handlers:
             raise APIError(503, str(e), "service_unavailable") from None
         except ValueError as e:  # rejected by the engine itself
             raise APIError(400, str(e)) from None
+        except GenerationError as e:
+            if str(e).startswith(("stage_died", "step_timeout")):  # workers being replaced
+                raise APIError(503, f"pipeline unavailable, retry: {e}",
+                               "service_unavailable") from None
+            raise APIError(500, f"generation failed: {e}", "internal_server_error") from None
         except Exception as e:  # noqa: BLE001 - a failed pipeline step
             raise APIError(500, f"generation failed: {e}", "internal_server_error") from None
 
