@@ -1,0 +1,104 @@
+"""Fault timings: kill-to-error and kill-to-first-good-token, and idle CPU per stage.
+
+``python -m raypp.bench.faults --model DIR [-pp 2] [--kills 10] [--json OUT]``
+
+Each round starts a long batch, kills one stage actor (``ray.kill``, rotating
+over the stages) one second in, and records how long until ``generate`` raised,
+and how long until a new request's first token came back from the replaced
+workers. Idle CPU is measured per stage process over a few idle seconds, with
+the compiled graph suspended (raypp's default) and kept compiled (``RAYPP_IDLE_SUSPEND_S=0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+
+def kill_timings(model: str, pp: int, kills: int) -> dict:
+    import ray
+
+    from raypp import LLM, RequestFailedError, SamplingParams
+
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1)
+    to_error, to_token = [], []
+    with LLM(model, pipeline_parallel_size=pp, max_restarts=kills + 1) as llm:
+        batch = [{"prompt_token_ids": [1, 2, 3, 4]}] * 8
+        for round_ in range(kills):
+            stage = round_ % pp
+            victim = llm.engine.executor.workers[stage][0]
+            killed_at: list[float] = []
+
+            def kill(victim=victim, killed_at=killed_at) -> None:
+                time.sleep(1.0)
+                killed_at.append(time.monotonic())
+                ray.kill(victim, no_restart=True)
+
+            threading.Thread(target=kill, daemon=True).start()
+            try:
+                llm.generate(batch, long, use_tqdm=False)
+                raise RuntimeError("generation outlived the kill: use a longer batch")
+            except RequestFailedError:
+                to_error.append(time.monotonic() - killed_at[0])
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, first, use_tqdm=False)
+            to_token.append(time.monotonic() - killed_at[0])
+    return {"kills": kills, "kill_to_error_s": _summary(to_error),
+            "kill_to_first_good_token_s": _summary(to_token)}
+
+
+def idle_cpu(model: str, pp: int, seconds: float, suspend_s: str) -> list[float]:
+    """Fraction of one core used by each stage process while the engine idles."""
+    import psutil
+    import ray
+
+    from raypp import LLM, SamplingParams
+
+    os.environ["RAYPP_IDLE_SUSPEND_S"] = suspend_s
+    try:
+        with LLM(model, pipeline_parallel_size=pp) as llm:
+            llm.generate("A", SamplingParams(max_tokens=4), use_tqdm=False)
+            time.sleep(max(2.0, float(suspend_s) + 1.5))
+            pids = ray.get([w.ping.remote() for w in llm.engine.executor.all_workers])
+            procs = [psutil.Process(p) for p in pids]
+            before = [sum(p.cpu_times()[:2]) for p in procs]
+            time.sleep(seconds)
+            return [round((sum(p.cpu_times()[:2]) - b) / seconds, 4)
+                    for p, b in zip(procs, before)]
+    finally:
+        os.environ.pop("RAYPP_IDLE_SUSPEND_S", None)
+
+
+def _summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "n": len(ordered)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    result = kill_timings(args.model, args.pipeline_parallel_size, args.kills)
+    result["idle_cpu_per_stage_suspended"] = idle_cpu(args.model, args.pipeline_parallel_size,
+                                                      args.idle_seconds, "1")
+    result["idle_cpu_per_stage_compiled"] = idle_cpu(args.model, args.pipeline_parallel_size,
+                                                    args.idle_seconds, "0")
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
