@@ -25,6 +25,7 @@ Run it niced and single-threaded::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -253,10 +254,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set if torch was used before
         torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     max_pos = 512
@@ -280,8 +279,10 @@ def main(argv=None) -> int:
         ids.extend(enc.ids)
         ids.append(eos_id)
     data = torch.tensor(ids, dtype=torch.long)
-    print(f"tokenizer: vocab {len(tok)}, corpus {len(data)} tokens "
-          f"({n_chars / len(data):.2f} chars/token)", flush=True)
+    print(
+        f"tokenizer: vocab {len(tok)}, corpus {len(data)} tokens ({n_chars / len(data):.2f} chars/token)",
+        flush=True,
+    )
 
     model = build_model(len(tok), eos_id, max_pos)
     n_params = sum(p.numel() for p in model.parameters())
@@ -291,7 +292,9 @@ def main(argv=None) -> int:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -326,14 +329,20 @@ def main(argv=None) -> int:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % args.log_every == 0:
             el = time.time() - t_train
-            print(f"step {step:5d}  loss {loss.item():.3f}  ema {ema:.3f}  lr {lr:.2e}  "
-                  f"{el / 60:.1f} min  {tokens_seen / el:.0f} tok/s", flush=True)
+            print(
+                f"step {step:5d}  loss {loss.item():.3f}  ema {ema:.3f}  lr {lr:.2e}  "
+                f"{el / 60:.1f} min  {tokens_seen / el:.0f} tok/s",
+                flush=True,
+            )
     train_s = time.time() - t_train
     print(f"training done: {step} steps, {tokens_seen} tokens, {train_s / 60:.1f} min", flush=True)
 
     final_loss = corpus_loss(model, data, args.ctx, 32)
-    print(f"final loss (whole corpus, ctx {args.ctx}): {final_loss:.3f}  "
-          f"(ppl {math.exp(final_loss):.1f}); train EMA {ema:.3f}", flush=True)
+    print(
+        f"final loss (whole corpus, ctx {args.ctx}): {final_loss:.3f}  "
+        f"(ppl {math.exp(final_loss):.1f}); train EMA {ema:.3f}",
+        flush=True,
+    )
 
     # ---- save -------------------------------------------------------------
     from transformers import GenerationConfig
@@ -428,7 +437,7 @@ depends on the machine; `--steps N` gives a step-based, exactly repeatable run.
 ## Samples (greedy, 40 new tokens)
 
 """
-    for p, mode, text in samples:
+    for _p, mode, text in samples:
         if mode == "greedy":
             readme += f"```text\n{text}\n```\n\n"
     (tmp / "README.md").write_text(readme)
@@ -436,8 +445,10 @@ depends on the machine; `--steps N` gives a step-based, exactly repeatable run.
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    print(f"saved to {out} (model.safetensors {st_size / 1e6:.2f} MB, {dname}); "
-          f"total {total_min:.1f} min", flush=True)
+    print(
+        f"saved to {out} (model.safetensors {st_size / 1e6:.2f} MB, {dname}); total {total_min:.1f} min",
+        flush=True,
+    )
     return 0
 
 

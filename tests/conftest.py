@@ -21,7 +21,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
+        ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
                  log_to_driver=False)
     yield ray
     ray.shutdown()

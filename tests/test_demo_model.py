@@ -40,10 +40,17 @@ def corpus_vocab() -> set[str]:
 @pytest.fixture(scope="module")
 def demo():
     assert DEMO_DIR.is_dir(), f"missing {DEMO_DIR}; run scripts/train_demo_model.py"
-    tok = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEMO_DIR))
-    model.eval()
-    return tok, model
+    # One thread: a 4M-parameter model gains nothing from more, and on a busy
+    # machine multi-threaded OpenMP makes decoding 10-30x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(DEMO_DIR))
+        model.eval()
+        yield tok, model
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_demo_model_files_and_size(demo):
@@ -51,8 +58,13 @@ def test_demo_model_files_and_size(demo):
     st = DEMO_DIR / "model.safetensors"
     assert st.is_file()
     assert st.stat().st_size < 20 * 1024 * 1024
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "README.md"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    ):
         assert (DEMO_DIR / name).is_file(), name
     n_params = sum(p.numel() for p in model.parameters())
     assert 1_000_000 <= n_params <= 10_000_000, n_params
@@ -86,7 +98,7 @@ def test_demo_model_generates_readable_text(demo, corpus_vocab):
                 do_sample=False,
                 pad_token_id=tok.eos_token_id,
             )
-            new = out[0, enc["input_ids"].shape[1]:]
+            new = out[0, enc["input_ids"].shape[1] :]
             generated.append(tok.decode(new, skip_special_tokens=True))
 
     words = [w for text in generated for w in _words(text)]

@@ -133,10 +133,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet; use pipeline_parallel_size"
-            )
         plane = (self.control_plane or envs.RAYPP_CONTROL_PLANE or "cgraph").strip().lower()
         if plane not in ("cgraph", "direct"):
             raise ValueError(f"control_plane must be 'cgraph' or 'direct', got {plane!r}")
@@ -210,12 +206,32 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.scheduler.max_inflight is None:
             self.scheduler.max_inflight = self.parallel.pipeline_parallel_size
+        _check_tp_divisibility(self.model, self.parallel.tensor_parallel_size)
         # Validates the split now, in the caller's process, with a clear error.
         partition_layers(
             self.model.num_layers,
             self.parallel.pipeline_parallel_size,
             self.parallel.layer_partition,
         )
+
+
+def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:
+    """``ValueError`` naming the dimension a TP split cannot divide."""
+    if tp == 1:
+        return
+    heads, kv_heads = model.num_attention_heads, model.num_kv_heads
+    if heads % tp:
+        raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}")
+    if kv_heads >= tp and kv_heads % tp:
+        raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by "
+                         f"tensor_parallel_size={tp}")
+    if kv_heads < tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}, so kv heads cannot be replicated")
+    intermediate = int(model.hf_config["intermediate_size"])
+    if intermediate % tp:
+        raise ValueError(f"intermediate_size={intermediate} is not divisible by "
+                         f"tensor_parallel_size={tp}")
 
 
 def parse_partition(text: str) -> list[int]:

@@ -51,6 +51,7 @@ def ensure_ray(address: str | None) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
         ray.init(
+            address="local",  # a new local cluster, never one that happens to run here
             num_cpus=max(2, os.cpu_count() or 2),
             object_store_memory=256 * 2**20,
             include_dashboard=False,
@@ -92,6 +93,13 @@ class StageActors:
         on_gpu = self.config.device == "cuda"
         bundle = {"GPU": 1, "CPU": _WORKER_CPUS} if on_gpu else {"CPU": _WORKER_CPUS}
         world = self.pp_size * self.tp_size
+        if on_gpu:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            if gpus < world:
+                raise ValueError(
+                    f"tensor_parallel_size × pipeline_parallel_size = {world} workers need "
+                    f"{world} GPUs, but the Ray cluster has {gpus}"
+                )
         self._pg = placement_group([dict(bundle) for _ in range(world)],
                                    strategy=envs.RAYPP_PLACEMENT_STRATEGY)
         ray.get(self._pg.ready(), timeout=_STARTUP_TIMEOUT_S)
@@ -189,32 +197,42 @@ class RayExecutor:
         return self._actors.gather(refs)
 
     def _compile(self) -> None:
-        from ray.dag import InputNode
+        """One lane per TP index: TP worker t of stage s feeds TP worker t of stage s+1,
+        and each lane's PP edges ride that lane's PP group."""
+        from ray.dag import InputNode, MultiOutputNode
 
-        transport = self._pp_transport()
-        stages = [lane[0] for lane in self.workers]  # tp == 1: one worker per stage
+        transports = [self._pp_transport(t) for t in range(self.tp_size)]
         with InputNode() as step:
-            node = step
-            for pp_rank, worker in enumerate(stages):
-                node = worker.execute_step.bind(node)
-                if pp_rank < self.pp_size - 1 and transport is not None:
-                    node = node.with_tensor_transport(transport=transport)
-        self.dag = node.experimental_compile(
+            nodes = [step] * self.tp_size
+            for pp_rank, stage in enumerate(self.workers):
+                nodes = [worker.execute_step.bind(node) for worker, node in zip(stage, nodes)]
+                if pp_rank < self.pp_size - 1 and transports[0] is not None:
+                    nodes = [node.with_tensor_transport(transport=transports[t])
+                             for t, node in enumerate(nodes)]
+            # every TP rank of the last stage samples identically; the graph returns all
+            out = nodes[0] if self.tp_size == 1 else MultiOutputNode(nodes)
+        self.dag = out.experimental_compile(
             _max_inflight_executions=max(1, self.config.scheduler.max_inflight or 1),
             _buffer_size_bytes=self._channel_buffer_bytes(),
             _submit_timeout=envs.RAYPP_STEP_TIMEOUT_S,
         )
 
-    def _pp_transport(self) -> Any:
+    def lane(self, tp_rank: int) -> list[Any]:
+        """The stage actors of one TP index, in PP-rank order."""
+        return [stage[tp_rank] for stage in self.workers]
+
+    def _pp_transport(self, tp_rank: int) -> Any:
         if self.pp_size == 1:
             return None
         if self.use_wrapped_comm:
-            logger.info("PP edges: RayPPCommunicator over the engine's PP group (%s)",
-                        "NCCL" if self.config.device == "cuda" else "gloo")
-            stages = [lane[0] for lane in self.workers]
-            return RayPPCommunicator(stages)
+            if tp_rank == 0:
+                logger.info("PP edges: RayPPCommunicator over the engine's PP group (%s)",
+                            "NCCL" if self.config.device == "cuda" else "gloo")
+            return RayPPCommunicator(self.lane(tp_rank))
         native = "accelerator" if self.config.device == "cuda" else "shm"
-        logger.info("PP edges: Ray's own transport (%s); RAYPP_USE_RAY_WRAPPED_PP_COMM=0", native)
+        if tp_rank == 0:
+            logger.info("PP edges: Ray's own transport (%s); RAYPP_USE_RAY_WRAPPED_PP_COMM=0",
+                        native)
         return native
 
     def _channel_buffer_bytes(self) -> int:
@@ -251,7 +269,8 @@ class RayExecutor:
         :class:`StepTimeoutError` (after ``timeout``, default ``RAYPP_STEP_TIMEOUT_S``)."""
         timeout = envs.RAYPP_STEP_TIMEOUT_S if timeout is None else timeout
         try:
-            return ray.get(handle, timeout=timeout)
+            out = ray.get(handle, timeout=timeout)
+            return out[0] if isinstance(out, list) else out  # TP ranks agree; take rank 0
         except Exception as e:
             raise self._classify(e) from e
         finally:
@@ -343,7 +362,8 @@ class RayExecutor:
 
     # -- introspection ---------------------------------------------------------------------
     def comm_stats(self) -> list[dict[str, Any]]:
-        return self._gather([lane[0].comm_stats.remote() for lane in self.workers])
+        """PP traffic counters of every worker, in rank order (pp-major)."""
+        return self._gather([w.comm_stats.remote() for w in self.all_workers])
 
     def graph_communicators(self) -> dict[str, Any]:
         """Which communicators the compiled graph uses: ours, and any Ray created."""

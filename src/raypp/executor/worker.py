@@ -83,11 +83,14 @@ class StageWorker:
         torch.manual_seed(mc.seed)
         with torch.device(self.device):
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp, mc.torch_dtype)
-        read = load_stage_weights(self.model, mc.model)
+        report = load_stage_weights(self.model, mc.model)
         self.model.eval()
         return {
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
             "layers": [start, end],
-            "checkpoint_tensors": read,
+            "checkpoint_tensors": report.names,
+            "bytes_read": report.bytes_read,
             "param_shapes": {n: list(p.shape) for n, p in self.model.named_parameters()},
         }
 
@@ -177,7 +180,8 @@ class StageWorker:
     def comm_stats(self) -> dict[str, Any]:
         pp = parallel_state.get_pp_group()
         stats = pp.device_communicator.stats
-        return {"pp_rank": self.pp_rank, "sends": stats.sends, "recvs": stats.recvs,
+        return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "sends": stats.sends,
+                "recvs": stats.recvs,
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
 
     def channel_communicators(self) -> list[str]:

@@ -3,6 +3,8 @@ layers, and attention over the paged KV cache.
 
 Every parameter carries a ``weight_loader(param, loaded, shard=None)`` so that
 TP slicing (and fused q/k/v, gate/up) lives in the layer, not in the loader.
+``loaded`` is anything with ``shape`` and ``narrow(dim, start, length)``: a
+tensor, or the loader's lazy view that reads only the narrowed range from disk.
 Layers get their TP group passed in; none reads topology from globals.
 """
 
@@ -32,9 +34,9 @@ class TPContext:
         return x if self.size == 1 else self.group.all_gather(x, dim=-1)
 
 
-def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
-    assert param.shape == loaded.shape, (param.shape, loaded.shape)
-    param.data.copy_(loaded)
+def _default_loader(param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
+    assert tuple(param.shape) == tuple(loaded.shape), (param.shape, loaded.shape)
+    param.data.copy_(loaded.narrow(0, 0, loaded.shape[0]))
 
 
 def _param(*shape: int, dtype: torch.dtype, loader: Any = _default_loader) -> nn.Parameter:
@@ -206,10 +208,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = _param(self.per_rank, hidden, dtype=dtype, loader=self._load)
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
-        part = loaded[self.start : self.start + self.per_rank]
-        param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+    def _load(self, param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
+        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
+        param.data.zero_()  # padding rows past the vocabulary stay zero
+        if rows:
+            param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -8,7 +8,9 @@ stage owns are read; each parameter's ``weight_loader`` takes its TP slice.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -33,15 +35,41 @@ def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}")
 
 
-def load_stage_weights(model: LlamaStageModel, model_dir: str) -> list[str]:
-    """Fill ``model``'s parameters; returns the checkpoint names read.
+class LazySlice:
+    """A checkpoint tensor not yet read: ``narrow`` reads only the rows asked for.
+
+    Counts the bytes it reads, so callers can prove a TP shard read only its slice.
+    """
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.shape = tuple(handle.get_shape())
+        self.bytes_read = 0
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        tensor = self._handle[tuple(index)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+@dataclass
+class LoadReport:
+    names: list[str] = field(default_factory=list)  # checkpoint tensors touched
+    bytes_read: int = 0
+
+
+def load_stage_weights(model: LlamaStageModel, model_dir: str) -> LoadReport:
+    """Fill ``model``'s parameters, reading only this stage's tensors and, of
+    each, only this TP rank's slice.
 
     Raises ``ValueError`` naming any parameter of the stage that the checkpoint
     does not provide.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    read: list[str] = []
+    report = LoadReport()
     for file, names in checkpoint_files(model_dir).items():
         wanted = [(n, model.checkpoint_names(n)) for n in names]
         wanted = [(n, targets) for n, targets in wanted if targets]
@@ -49,14 +77,15 @@ def load_stage_weights(model: LlamaStageModel, model_dir: str) -> list[str]:
             continue
         with safe_open(file, framework="pt") as f:
             for name, targets in wanted:
-                tensor = f.get_tensor(name)
-                read.append(name)
+                lazy = LazySlice(f.get_slice(name))
                 for target, shard in targets:
                     param = params[target]
                     with torch.no_grad():
-                        param.weight_loader(param, tensor.to(param.dtype), shard)
+                        param.weight_loader(param, lazy, shard)
                     loaded.add(target)
+                report.names.append(name)
+                report.bytes_read += lazy.bytes_read
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {', '.join(missing[:8])}")
-    return read
+    return report
