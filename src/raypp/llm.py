@@ -78,7 +78,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine = self.engine
-        prepared = [engine._prompt(p) for p in prompts]
+        prepared = [engine.prepare_prompt(p) for p in prompts]
         for _, token_ids in prepared:
             engine.validate_prompt(token_ids)
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]

@@ -130,7 +130,7 @@ class AsyncLLMEngine:
 
         Safe off the loop thread: it only reads the tokenizer and the config.
         """
-        text, token_ids = self.engine._prompt(prompt)
+        text, token_ids = self.engine.prepare_prompt(prompt)
         self.engine.validate_prompt(token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
@@ -268,7 +268,7 @@ class AsyncLLMEngine:
                 self._abort(out.request_id)
         self._publish(idle=False)
         # Requests exist but none could be scheduled: wait for a command instead of spinning.
-        if not outputs and not self.engine._inflight and self._wakeup.wait(_STUCK_WAIT_S):
+        if not outputs and not self.engine.has_inflight_steps and self._wakeup.wait(_STUCK_WAIT_S):
             self._wakeup.clear()
 
     def _fail_all(self, exc: BaseException) -> None:

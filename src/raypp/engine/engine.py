@@ -100,14 +100,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._prompt(prompt)
+        text, token_ids = self.prepare_prompt(prompt)
         self.validate_prompt(token_ids)
         seqs = [self._new_sequence(request_id, i, token_ids, params) for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a string, token-id list or prompt dict."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -144,6 +145,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._inflight)
+
+    @property
+    def has_inflight_steps(self) -> bool:
+        """True while micro-batches are in the pipeline (results still to collect)."""
+        return bool(self._inflight)
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
