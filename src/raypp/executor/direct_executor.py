@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 _SLICE_S = 1.0  # longest blocking wait before a loop or the driver re-checks its peers
 _PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this
-_SEND_TIMEOUT_S = 5.0  # a queue with a live, connected peer takes a message at once
+_SEND_TIMEOUT_S = 2.0  # a queue with a live, connected peer takes a message at once
 _READY_TIMEOUT_S = 60.0  # stage loops connecting at start-up
 _STOP_WAIT_S = 2.0  # clean loop exit at shutdown before the actors are killed
 _QUEUE_DEPTH = 4  # steps buffered between a stage's threads
@@ -95,6 +95,7 @@ class DirectExecutor:
         self._pending: set[int] = set()
         self._done: dict[int, tuple[str, Any]] = {}
         self._broken: str | None = None
+        self._lock = threading.RLock()  # the driver's sockets: shutdown may come from any thread
         ensure_ray(pc.ray_address)
         try:
             self.num_kv_blocks = self._actors.start()
@@ -162,17 +163,21 @@ class DirectExecutor:
     # -- stepping -------------------------------------------------------------------
     def submit(self, step: StepInput) -> int:
         """Send the step to every stage; returns its handle (the step id)."""
-        self._raise_if_broken()
         if step.step_id in self._pending:
             raise ValueError(f"step id {step.step_id} is already in flight")
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-        for pp_rank, sender in enumerate(self._steps):
-            try:
-                sender.send_bytes(data, _SEND_TIMEOUT_S)
-            except TimeoutError as e:
-                self._check_stages()
-                raise StepTimeoutError(f"stage {pp_rank} took no step for "
-                                       f"{_SEND_TIMEOUT_S:g} s though its actor is alive") from e
+        with self._lock:
+            while (msg := self._recv(0)) is not None:  # a loop that broke while idle
+                self._on_message(msg)
+            self._raise_if_broken()
+            for pp_rank, sender in enumerate(self._steps):
+                try:
+                    sender.send_bytes(data, _SEND_TIMEOUT_S)
+                except TimeoutError as e:
+                    self._check_stages()
+                    raise StepTimeoutError(
+                        f"stage {pp_rank} took no step for {_SEND_TIMEOUT_S:g} s though its "
+                        "actor is alive") from e
         self._pending.add(step.step_id)
         return step.step_id
 
@@ -192,7 +197,8 @@ class DirectExecutor:
                 raise StepTimeoutError(
                     f"no step result within {timeout:g} s although every stage answers "
                     "(RAYPP_STEP_TIMEOUT_S): a stage is stuck")
-            msg = self._results.recv(min(remaining, _SLICE_S))
+            with self._lock:
+                msg = self._recv(min(remaining, _SLICE_S))
             if msg is None:
                 self._check_stages()
             else:
@@ -202,6 +208,11 @@ class DirectExecutor:
         if kind == "err":
             raise StageError(value)
         return value
+
+    def _recv(self, timeout_s: float) -> Any:
+        if self._results is None:
+            raise StageDiedError(f"executor is shut down (namespace {self.namespace})")
+        return self._results.recv(timeout_s)
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
@@ -268,16 +279,17 @@ class DirectExecutor:
     def shutdown(self) -> None:
         """Stop the loops, close the queues, kill the actors (idempotent)."""
         _LIVE.discard(self)
-        if self._results is not None and self._broken is None and self.stage_pids:
-            self._stop_loops()
-        for sender in self._steps:
-            sender.close()
-        self._steps = []
-        if self._results is not None:
-            self._results.close()
-            self._results = None
-        if not self._ctx.closed:
-            self._ctx.destroy(linger=0)
+        with self._lock:
+            if self._results is not None and self._broken is None and self.stage_pids:
+                self._stop_loops()
+            for sender in self._steps:
+                sender.close()
+            self._steps = []
+            if self._results is not None:
+                self._results.close()
+                self._results = None
+            if not self._ctx.closed:
+                self._ctx.destroy(linger=0)
         self._actors.kill()
         self.workers = []
         if self._ipc_dir is not None:
