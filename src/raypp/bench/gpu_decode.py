@@ -450,6 +450,8 @@ _CATEGORIES = (
 
 
 def _categorize(name: str) -> str:
+    if name.startswith("triton_"):  # Inductor's fused kernels (names list the fused ops)
+        return "elementwise: norm, rotary, silu, casts"
     low = name.lower()
     for cat, keys in _CATEGORIES:
         if any(k in low for k in keys):
