@@ -42,6 +42,7 @@ class EngineStats:
     tokens_processed: int = 0  # tokens fed through the pipeline (prefill + decode)
     tokens_generated: int = 0
     step_time_s: float = 0.0  # wall time waiting on step results
+    max_step_wait_s: float = 0.0  # longest single wait for a step result
     overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
 
 
@@ -188,6 +189,7 @@ class LLMEngine:
         stats.tokens_processed += item.step.num_tokens
         stats.tokens_generated += len(result.token_ids)
         stats.step_time_s += got - waited
+        stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
         return outputs
 

@@ -102,7 +102,8 @@ def _soak(llm, inputs, seconds: float) -> dict:
         longest = max(longest, time.monotonic() - started)
         batches += 1
     return {"seconds": seconds, "batches": batches, "steps": llm.engine.stats.steps - steps_before,
-            "errors": errors, "longest_batch_s": longest, "restarts": llm.engine.restarts}
+            "errors": errors, "longest_batch_s": longest, "restarts": llm.engine.restarts,
+            "longest_step_wait_s": llm.engine.stats.max_step_wait_s}
 
 
 if __name__ == "__main__":
