@@ -61,6 +61,7 @@ class LLM:
             max_restarts=max_restarts,
         )
         self.engine = LLMEngine(config)
+        self.engine.emit_unfinished = False  # generate() only needs final outputs
         self._request_ids = itertools.count()
 
     # -- generation ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ finished sequences (``postprocess``).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -72,7 +73,14 @@ class LLMEngine:
         self._step_ids = itertools.count()
         self._seed_rng = random.Random(config.model.seed)
         self.trace_steps = False
+        # step() returns updates of running requests too (streaming); the offline
+        # API turns this off and gets finished requests only, which is cheaper.
+        self.emit_unfinished = True
         self.stats = EngineStats()
+        # Start-up objects (tokenizer, Ray, torch) live for the whole run: keep them out
+        # of the cyclic GC's full passes, which otherwise cost milliseconds per step.
+        gc.collect()
+        gc.freeze()
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -297,34 +305,37 @@ class LLMEngine:
         self.scheduler.complete(batch)
         sampled = [item.seq for item in batch.seqs if item.sample]
         assert len(sampled) == len(result.token_ids), (len(sampled), len(result.token_ids))
-        touched: dict[str, Request] = {}
         logprobs = result.logprobs or [None] * len(sampled)
+        live = []
         for seq, token, row_logprobs in zip(sampled, result.token_ids, logprobs):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while in flight
-            self._append_token(seq, token, row_logprobs)
+            seq.output_token_ids.append(token)
+            if seq.logprobs is not None and row_logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(token, row_logprobs))
+            live.append(seq)
+        detokenizer.append_text(self.tokenizer, live)
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for seq in live:
+            self._check_stop(seq, seq.output_token_ids[-1])
+            if seq.finished:
+                if not isinstance(seq.stop_reason, str):  # not cut at a stop string
+                    detokenizer.flush(self.tokenizer, seq)
+                self.scheduler.finish(seq)
             request = self.requests.get(seq.request_id)
-            if request is None:
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            touched[request.request_id] = request
-        outputs = [self._request_output(r) for r in touched.values()]
+            if request is not None:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                touched[request.request_id] = request
+        outputs = []
         for request in touched.values():
-            if request.finished:
+            finished = request.finished
+            if finished or self.emit_unfinished:
+                outputs.append(self._request_output(request))
+            if finished:
                 del self.requests[request.request_id]
         return outputs
-
-    def _append_token(self, seq: Sequence, token: int, row_logprobs: RowLogprobs | None) -> None:
-        seq.output_token_ids.append(token)
-        if seq.logprobs is not None and row_logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(token, row_logprobs))
-        detokenizer.append_text(self.tokenizer, seq)
-        self._check_stop(seq, token)
-        if seq.finished:
-            if not isinstance(seq.stop_reason, str):  # not cut at a stop string
-                detokenizer.flush(self.tokenizer, seq)
-            self.scheduler.finish(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
