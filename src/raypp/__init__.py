@@ -4,6 +4,7 @@ Public surface: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`,
 :class:`CompletionOutput`.
 """
 
+from raypp import logger as _logger
 from raypp.executor.errors import (
     EngineDeadError,
     RequestFailedError,
@@ -19,6 +20,8 @@ __all__ = [
     "EngineDeadError", "RequestFailedError", "StageDiedError", "StageError", "StepTimeoutError",
 ]
 __version__ = "0.1.0"
+
+_logger.configure()
 
 
 def __getattr__(name: str):
