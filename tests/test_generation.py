@@ -81,10 +81,10 @@ def test_wrapped_communicator_carries_the_stage_tensors(wrapped_llm, tiny_llama)
     steps = llm.engine.stats.steps - steps_before
     tokens = llm.engine.stats.tokens_processed - tokens_before
     hidden = llm.engine.config.model.hidden_size
-    # Each step sends hidden_states and residual: [tokens, hidden] fp32 each.
+    # Each step sends hidden_states and residual stacked: one [2, tokens, hidden] fp32 tensor.
     sent = after[0]["sends"] - before[0]["sends"]
     received = after[1]["recvs"] - before[1]["recvs"]
-    assert sent == received == 2 * steps
+    assert sent == received == steps
     assert after[0]["bytes_sent"] - before[0]["bytes_sent"] == 2 * tokens * hidden * 4
     assert after[1]["bytes_received"] - before[1]["bytes_received"] == 2 * tokens * hidden * 4
 

@@ -135,8 +135,8 @@ class StageWorker:
     def execute_step(self, payload: StepInput | tuple[StepInput, Intermediate]):
         """Run this stage on one micro-batch.
 
-        Returns ``(step, {"hidden_states", "residual"})`` for the next stage, or a
-        :class:`StepOutput` on the last stage. Errors name the stage.
+        Returns ``(step, {"hidden_and_residual": [2, tokens, hidden]})`` for the next
+        stage, or a :class:`StepOutput` on the last stage. Errors name the stage.
         """
         step, inputs = (payload, None) if isinstance(payload, StepInput) else payload
         started = time.time()
@@ -144,7 +144,8 @@ class StageWorker:
             self._fault.before_step(step.step_id)
             hidden, residual = self._forward(step, inputs)
             if not self.stage.is_last:
-                out: Any = (step, {"hidden_states": hidden, "residual": residual})
+                # one tensor, so each hop is one transfer: [2, tokens, hidden]
+                out: Any = (step, {"hidden_and_residual": torch.stack((hidden, residual))})
             else:
                 out = self._sample(step, hidden)
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
@@ -166,7 +167,8 @@ class StageWorker:
             return self.model(positions, meta, self.kv_caches, input_ids=ids)
         assert inputs is not None
         return self.model(positions, meta, self.kv_caches,
-                          hidden_states=inputs["hidden_states"], residual=inputs["residual"])
+                          hidden_states=inputs["hidden_and_residual"][0],
+                          residual=inputs["hidden_and_residual"][1])
 
     def _sample(self, step: StepInput, hidden: torch.Tensor) -> StepOutput:
         if not step.sample_rows:
