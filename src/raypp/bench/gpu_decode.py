@@ -249,16 +249,19 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
         engine.add_request(rid, {"prompt_token_ids": p}, params)
     started = time.perf_counter()
     have_first: set[str] = set()
+    engine.emit_unfinished = True  # to see each request's first token
     while len(have_first) < len(ids):  # prefill phase (decode of early sequences mixed in)
         for out in engine.step():
             have_first.add(out.request_id)
     prefill_done = time.perf_counter()
+    engine.emit_unfinished = False  # decode as LLM.generate runs it: final outputs only
     stats0 = _stats(engine)
-    tokens = steps = 0
+    generated = engine.stats.tokens_generated
+    steps = 0
     while engine.has_unfinished_requests():
-        outs = engine.step()
-        tokens += len(outs)
+        engine.step()
         steps += 1
+    tokens = engine.stats.tokens_generated - generated
     done = time.perf_counter()
     stats1 = _stats(engine)
     decode_s = done - prefill_done
