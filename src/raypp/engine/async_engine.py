@@ -92,6 +92,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, collect_stage_times: bool = False):
         self.engine = engine
+        engine.emit_unfinished = True  # every request streams its updates
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # loop thread only
