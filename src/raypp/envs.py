@@ -96,6 +96,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Placement-group strategy for the stage bundles: PACK (default), SPREAD, "
         "STRICT_PACK or STRICT_SPREAD (one stage per Ray node).",
     ),
+    "RAYPP_CPU_P2P": (
+        _str("RAYPP_CPU_P2P", "auto"),
+        "CPU point-to-point transport of the engine's groups: 'auto' (Unix sockets "
+        "between ranks on the same host, gloo across hosts) or 'gloo' (always gloo).",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),

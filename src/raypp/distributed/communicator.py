@@ -18,6 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raypp import envs
+from raypp.distributed import local_pipes
+from raypp.distributed.local_pipes import LocalPipes
+
 
 @dataclass
 class TrafficStats:
@@ -39,21 +43,29 @@ class DeviceCommunicator:
     timeout expires.
     """
 
-    def __init__(self, group: dist.ProcessGroup, ranks: list[int], device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], device: torch.device,
+                 pipes: LocalPipes | None = None):
         self.group = group
         self.ranks = ranks
         self.device = device
+        self.pipes = pipes  # CPU only: same-host peers over Unix sockets, others over gloo
         self.stats = TrafficStats()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
-        dist.send(tensor, dst=self.ranks[dst], group=self.group)
+        if self.pipes is not None and self.pipes.reaches(dst):
+            self.pipes.send(tensor, dst)
+        else:
+            dist.send(tensor, dst=self.ranks[dst], group=self.group)
         self.stats.sends += 1
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(tensor, src=self.ranks[src], group=self.group)
+        if self.pipes is not None and self.pipes.reaches(src):
+            self.pipes.recv_into(tensor, src)
+        else:
+            dist.recv(tensor, src=self.ranks[src], group=self.group)
         self.stats.recvs += 1
         self.stats.bytes_received += tensor.numel() * tensor.element_size()
         return tensor
@@ -77,7 +89,8 @@ class GroupCoordinator:
     """
 
     def __init__(self, name: str, ranks: list[int], device: torch.device,
-                 device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup):
+                 device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup,
+                 timeout_s: float = 60.0):
         self.name = name
         self.ranks = list(ranks)
         self.world_size = len(ranks)
@@ -85,7 +98,18 @@ class GroupCoordinator:
         self.rank_in_group = self.ranks.index(self.rank)
         self.device_group = device_group
         self.cpu_group = cpu_group
-        self.device_communicator = DeviceCommunicator(device_group, self.ranks, device)
+        pipes = self._local_pipes(timeout_s) if device.type == "cpu" else None
+        self.device_communicator = DeviceCommunicator(device_group, self.ranks, device, pipes)
+
+    def _local_pipes(self, timeout_s: float) -> LocalPipes | None:
+        """Collectively set up Unix-socket pipes to same-host peers (CPU groups only)."""
+        if self.world_size == 1 or envs.RAYPP_CPU_P2P != "auto" or not local_pipes.supported():
+            return None
+        pipes = LocalPipes(self.rank_in_group, timeout_s)
+        me = (local_pipes.host_id(), pipes.address)
+        everyone = self.all_gather_object(me)
+        pipes.connect_peers({r: addr for r, (host, addr) in enumerate(everyone) if host == me[0]})
+        return pipes
 
     @classmethod
     def build(cls, name: str, ranks: list[int], device: torch.device,
@@ -100,7 +124,7 @@ class GroupCoordinator:
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         if dist.get_rank() not in ranks:
             return None
-        return cls(name, ranks, device, device_group, cpu_group)
+        return cls(name, ranks, device, device_group, cpu_group, timeout_s)
 
     # -- topology, so stage code never does rank arithmetic ---------------------
     @property
@@ -176,6 +200,8 @@ class GroupCoordinator:
         dist.barrier(group=self.cpu_group)
 
     def destroy(self) -> None:
+        if self.device_communicator.pipes is not None:
+            self.device_communicator.pipes.close()
         for group in (self.device_group, self.cpu_group):
             with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
                 dist.destroy_process_group(group)

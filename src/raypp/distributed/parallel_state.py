@@ -90,6 +90,9 @@ def is_initialized() -> bool:
 def destroy_distributed() -> None:
     """Tear down every group of this worker (safe to call when none exist)."""
     global _WORLD, _TP, _PP
+    for group in (_PP, _TP, _WORLD):
+        if group is not None:
+            group.destroy()
     _WORLD = _TP = _PP = None
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError, ValueError):

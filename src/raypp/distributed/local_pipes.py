@@ -1,0 +1,226 @@
+"""Point-to-point tensor transfer between CPU ranks on the same host.
+
+gloo moves a CPU tensor through a TCP loopback connection and its own I/O
+thread, waking four threads per message; measured inside a compiled graph on
+2 cores that cost ~1.9 ms per 16 KiB message against 0.17 ms outside it.
+
+Here each sender owns a shared-memory ring of ``_SLOTS`` slots per peer: ``send``
+copies the tensor into the next free slot and writes a small header on a Unix
+stream socket; ``recv_into`` waits (blocking, never spinning, with a timeout)
+for the header, copies the slot into the caller's tensor and answers one ack
+byte that frees the slot. With two slots the sender runs one message ahead of
+the receiver. A message larger than the slots makes the sender drain its acks
+and switch to a larger segment, whose name travels in the header.
+
+Sockets live in Linux's abstract namespace and segments in /dev/shm under random
+names; the receiver unlinks a segment as soon as it mapped it, so nothing is left
+behind even if a process dies. Ranks on other hosts keep using gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import struct
+import threading
+import uuid
+
+import numpy as np
+import torch
+
+_HEADER = struct.Struct("<qQii")  # sender rank, payload bytes, slot, length of a new segment name
+_SLOTS = 2
+_MIN_SLOT_BYTES = 1 << 20
+_SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """Same value exactly for processes that share a kernel (and so can share sockets)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def supported() -> bool:
+    return (hasattr(socket, "AF_UNIX") and os.path.isdir(_SHM_DIR)
+            and os.path.exists("/proc/sys/kernel/random/boot_id"))
+
+
+class _Ring:
+    """One direction's shared-memory slots (the sender creates, the receiver maps)."""
+
+    def __init__(self, mapping: mmap.mmap, slot_bytes: int):
+        self.map = mapping
+        self.slot_bytes = slot_bytes
+        self.next_slot = 0
+        self.unacked = 0
+
+    @classmethod
+    def create(cls, nbytes: int) -> tuple[_Ring, str]:
+        slot = max(_MIN_SLOT_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        name = f"raypp-{uuid.uuid4().hex}"
+        fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, slot * _SLOTS)
+            mapping = mmap.mmap(fd, slot * _SLOTS)
+        finally:
+            os.close(fd)
+        return cls(mapping, slot), name
+
+    @classmethod
+    def attach(cls, name: str) -> _Ring:
+        path = os.path.join(_SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+            os.unlink(path)  # both ends have it mapped: the name is no longer needed
+        return cls(mapping, size // _SLOTS)
+
+    def slot_array(self, slot: int, nbytes: int) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=slot * self.slot_bytes)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+
+
+class LocalPipes:
+    """One rank's sockets to its same-host peers (ranks within the group).
+
+    ``send`` returns once the bytes are in the kernel (or the peer took them);
+    ``recv_into`` fills a caller-provided contiguous tensor. Both raise
+    ``RuntimeError`` when the peer is gone or after ``timeout_s`` without progress.
+    """
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.address = f"\0raypp-{uuid.uuid4().hex}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._listener.settimeout(timeout_s)
+        self._peers: dict[int, str] = {}
+        self._out: dict[int, socket.socket] = {}
+        self._in: dict[int, socket.socket] = {}
+        self._out_rings: dict[int, _Ring] = {}
+        self._in_rings: dict[int, _Ring] = {}
+        self._accept_lock = threading.Lock()
+
+    def connect_peers(self, addresses: dict[int, str]) -> None:
+        """Record the listening address of every same-host peer (no connection yet)."""
+        self._peers = {r: a for r, a in addresses.items() if r != self.rank}
+
+    def reaches(self, peer: int) -> bool:
+        return peer in self._peers
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        sock = self._out.get(dst) or self._connect(dst)
+        data = _bytes(tensor)
+        ring, new_name = self._out_rings.get(dst), b""
+        if ring is None or data.nbytes > ring.slot_bytes:
+            if ring is not None:
+                self._wait_acks(sock, ring, dst, until=0)
+                ring.close()
+            ring, name = _Ring.create(data.nbytes)
+            self._out_rings[dst], new_name = ring, name.encode()
+        self._wait_acks(sock, ring, dst, until=_SLOTS - 1)
+        slot = ring.next_slot
+        ring.slot_array(slot, data.nbytes)[:] = data
+        try:
+            sock.sendall(_HEADER.pack(self.rank, data.nbytes, slot, len(new_name)) + new_name)
+        except OSError as e:
+            raise RuntimeError(f"local pipe to rank {dst} failed: {e}") from e
+        ring.next_slot = (slot + 1) % _SLOTS
+        ring.unacked += 1
+
+    def _wait_acks(self, sock: socket.socket, ring: _Ring, dst: int, until: int) -> None:
+        """Block until at most ``until`` slots are still being read by ``dst``."""
+        while ring.unacked > until:
+            acks = _recv_exactly(sock, 1, dst, at_most=ring.unacked)
+            ring.unacked -= len(acks)
+
+    def recv_into(self, tensor: torch.Tensor, src: int) -> None:
+        sock = self._in.get(src) or self._accept(src)
+        sender, nbytes, slot, name_len = _HEADER.unpack(_recv_exactly(sock, _HEADER.size, src))
+        if name_len:
+            old = self._in_rings.pop(src, None)
+            if old is not None:
+                old.close()
+            name = _recv_exactly(sock, name_len, src).decode()
+            self._in_rings[src] = _Ring.attach(name)
+        data = _bytes(tensor)
+        if sender != src or nbytes != data.nbytes:
+            raise RuntimeError(f"local pipe from rank {src}: expected {data.nbytes} bytes from "
+                               f"rank {src}, got {nbytes} from rank {sender}")
+        data[:] = self._in_rings[src].slot_array(slot, nbytes)
+        try:
+            sock.sendall(b"\x01")  # the slot is free again
+        except OSError as e:
+            raise RuntimeError(f"local pipe to rank {src} failed: {e}") from e
+
+    def _connect(self, dst: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self._peers[dst])
+            sock.sendall(struct.pack("<q", self.rank))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"cannot reach rank {dst} over its local pipe: {e}") from e
+        self._out[dst] = sock
+        return sock
+
+    def _accept(self, src: int) -> socket.socket:
+        with self._accept_lock:
+            while src not in self._in:
+                try:
+                    conn, _ = self._listener.accept()
+                except OSError as e:  # includes timeout
+                    raise RuntimeError(f"rank {src} never connected its local pipe: {e}") from e
+                conn.settimeout(self.timeout_s)
+                (peer,) = struct.unpack("<q", _recv_exactly(conn, 8, -1))
+                self._in[peer] = conn
+        return self._in[src]
+
+    def close(self) -> None:
+        for ring in [*self._out_rings.values(), *self._in_rings.values()]:
+            ring.close()
+        for sock in [*self._out.values(), *self._in.values(), self._listener]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._out.clear()
+        self._in.clear()
+        self._out_rings.clear()
+        self._in_rings.clear()
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a flat uint8 array (a view: writes land in the tensor)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def _recv_exactly(sock: socket.socket, n: int, peer: int, at_most: int | None = None) -> bytes:
+    """Exactly ``n`` bytes, or with ``at_most``: between ``n`` and ``at_most`` bytes."""
+    buf = bytearray(at_most or n)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(memoryview(buf)[got:])
+        except OSError as e:  # includes timeout
+            raise RuntimeError(f"local pipe with rank {peer} failed: {e}") from e
+        if k == 0:
+            raise RuntimeError(f"local pipe with rank {peer} closed: the peer is gone")
+        got += k
+    return bytes(buf[:got])
