@@ -163,7 +163,12 @@ class Run:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
 
     def section(self, name: str, fn: Callable[[], Any], need_s: float = 0.0) -> Any:
-        """Run ``fn``; record its error instead of raising; skip it when time is short."""
+        """Run ``fn``; record its error instead of raising; skip it when time is short
+        or when ``--only`` does not select it."""
+        only = [x.strip() for x in (self.args.only or "").split(",") if x.strip()]
+        if only and "model" not in name and not any(x in name for x in only):
+            self.results["skipped"].append(f"{name}: not selected by --only")
+            return None
         if self.left() < need_s:
             self.results["skipped"].append(f"{name}: {self.left():.0f} s left, needs ~{need_s:.0f}")
             log(f"== {name}: skipped ({self.left():.0f} s left)")
@@ -359,8 +364,11 @@ def probe_workers(llm: Any) -> list[dict[str, Any]]:
                    timeout=120)
 
 
-_NCCL_INIT = re.compile(r"(\S+):(\d+):\d+ \[\d+\] NCCL INFO comm (0x[0-9a-f]+) rank (\d+) "
-                        r"nranks (\d+).*?commId (0x[0-9a-f]+).*Init COMPLETE")
+# "host:pid:tid [dev] NCCL INFO [caller] comm 0x.. rank 0 nranks 2 ... commId 0x.. - Init COMPLETE"
+_NCCL_PREFIX = re.compile(r"(\S+):(\d+):\d+ \[\d+\] NCCL INFO ")
+_NCCL_FIELDS = {k: re.compile(p, re.IGNORECASE) for k, p in (
+    ("comm", r"\bcomm (0x[0-9a-f]+)"), ("rank", r"\brank (\d+)"),
+    ("nranks", r"\bnranks (\d+)"), ("comm_id", r"\bcommId (0x[0-9a-f]+)"))}
 
 
 def ray_logs_dir() -> Path:
@@ -373,7 +381,8 @@ def ray_logs_dir() -> Path:
 
 
 def nccl_inits(pids: list[int], logs: Path | None = None) -> dict[str, list[dict[str, Any]]]:
-    """pid → NCCL communicators that finished init in that process ("Init COMPLETE" lines)."""
+    """pid → the NCCL communicators whose init completed in that process, read from the
+    "Init COMPLETE" lines (``NCCL_DEBUG=INFO``) in the Ray worker logs."""
     logs = logs or ray_logs_dir()
     wanted = {str(p) for p in pids}
     found: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in wanted}
@@ -381,12 +390,17 @@ def nccl_inits(pids: list[int], logs: Path | None = None) -> dict[str, list[dict
         if not path.name.endswith((".out", ".err")):
             continue
         with contextlib.suppress(OSError), path.open(errors="replace") as f:
-            for line in f:
-                m = _NCCL_INIT.search(line)
-                if m and m.group(2) in wanted:
-                    found[m.group(2)][m.group(3)] = {"nranks": int(m.group(5)),
-                                                     "rank": int(m.group(4)),
-                                                     "comm_id": m.group(6)}
+            for number, line in enumerate(f):
+                prefix = _NCCL_PREFIX.search(line)
+                if "Init COMPLETE" not in line or not prefix or prefix.group(2) not in wanted:
+                    continue
+                fields = {k: m.group(1) for k, p in _NCCL_FIELDS.items()
+                          if (m := p.search(line, prefix.end()))}
+                for k in ("rank", "nranks"):
+                    if k in fields:
+                        fields[k] = int(fields[k])
+                key = fields.get("comm") or f"{path.name}:{number}"
+                found[prefix.group(2)][key] = fields
     return {pid: list(comms.values()) for pid, comms in found.items()}
 
 
@@ -501,7 +515,8 @@ def engine_bench(run: Run, model: Path, layout: Layout, timeline: bool,
     from raypp.entrypoints.cli import build_parser
 
     work, args = run.work, run.args
-    info: dict[str, Any] = {"layout": layout.name, "dtype": args.dtype}
+    info: dict[str, Any] = {"layout": layout.name, "tp": layout.tp, "pp": layout.pp,
+                            "dtype": args.dtype}
     run.results["engines"][layout.name] = info
     started = time.perf_counter()
     llm = make_llm(args, work, model, layout, args.dtype, trace_comm=timeline)
@@ -863,14 +878,17 @@ def summary_markdown(results: dict[str, Any]) -> str:
 
 def _throughput_lines(results: dict[str, Any]) -> list[str]:
     lines = ["", "## Throughput (`raypp bench throughput` runner)", "",
-             "| engine | output tok/s | ms/step | steps | stage busy | share of stage-bound "
+             "| engine | output tok/s | ms/step | steps | stage busy (per worker) | "
+             "share of stage-bound "
              "ideal | start-up s |", "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     for name, e in results["engines"].items():
         if "throughput" not in e:
             continue
         t = e["throughput"]
+        # the timeline sums a stage's TP ranks; per worker is that over tp
+        busy = [round(b / e["tp"], 3) for b in t.get("stage_busy_share", [])]
         lines.append(f"| {name} | {t['output_tokens_per_s']:.1f} | {t['mean_step_ms']:.2f} | "
-                     f"{t['engine_steps']} | {t.get('stage_busy_share')} | "
+                     f"{t['engine_steps']} | {busy} | "
                      f"{t['stage_bound'].get('share_of_ideal')} | {e['startup_s']} |")
     tl = [e["throughput"].get("timeline") for e in results["engines"].values()
           if "throughput" in e]
@@ -906,13 +924,17 @@ def _hop_lines(results: dict[str, Any]) -> list[str]:
 # -- main ---------------------------------------------------------------------------------------
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.suite``; returns the results (also written to ``args.out``)."""
+    # A suspended graph is recompiled on the next step; on CUDA each recompile would make
+    # Ray's native transport build a new NCCL communicator and skew the counts.
+    with env(RAYPP_IDLE_SUSPEND_S="0"):
+        return _run_suite(args)
+
+
+def _run_suite(args: argparse.Namespace) -> dict[str, Any]:
     from raypp.bench.report import run_context
 
     suite = SUITES[args.suite]
     run = Run(args)
-    # A suspended graph is recompiled on the next step; on CUDA each recompile would make
-    # Ray's native transport build a new NCCL communicator and skew the counts.
-    os.environ["RAYPP_IDLE_SUSPEND_S"] = "0"
     start_ray(args.device, suite["gpus"])
     root = Path(args.model_root)
     default_main = "tiny" if args.device == "cpu" else ("1b" if args.suite == "pp2" else "8b")
@@ -954,6 +976,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-root", default="/tmp", help="where built checkpoints go")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the main engines")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--only", default=None,
+                    help="comma-separated substrings of section names to run (e.g. "
+                         "'fp32,hop,engine tp1pp1'); default: all")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="skip sections that would not finish within this many seconds")
     return ap
