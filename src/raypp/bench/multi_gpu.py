@@ -160,7 +160,12 @@ class Run:
         return self.deadline - time.perf_counter()
 
     def save(self) -> None:
+        """Rewrite results.json and summary.md (so a run cut short still reports)."""
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+        try:
+            (self.out / "summary.md").write_text(summary_markdown(self.results))
+        except Exception as e:  # noqa: BLE001 - a partial result must not stop the run
+            log(f"!! summary: {type(e).__name__}: {e}")
 
     def section(self, name: str, fn: Callable[[], Any], need_s: float = 0.0) -> Any:
         """Run ``fn``; record its error instead of raising; skip it when time is short
@@ -243,7 +248,8 @@ def build_checkpoint(size: str, path: str) -> None:
 
 
 def _build_large(shape: dict[str, Any], path: Path, shard_bytes: int = 4 << 30) -> None:
-    """Sharded bf16 safetensors drawn on the GPU with raypp.testing's init recipe."""
+    """Sharded bf16 safetensors drawn (on the GPU when there is one) with raypp.testing's
+    init recipe; each shard is written as soon as it is full."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -251,35 +257,38 @@ def _build_large(shape: dict[str, Any], path: Path, shard_bytes: int = 4 << 30) 
     from raypp.bench.gpu_decode import _word_tokenizer
 
     config = transformers.LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=0,
-                                      eos_token_id=1, pad_token_id=2)
+                                      eos_token_id=1, pad_token_id=2, dtype="bfloat16")
     with torch.device("meta"):
         names = [(n, tuple(p.shape)) for n, p in transformers.LlamaForCausalLM(config)
                  .named_parameters()]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for name, shape_ in names:
-        x = torch.randn(shape_, generator=gen, device="cuda", dtype=torch.float32)
-        if "norm" in name:
-            x = 1 + 0.1 * x
-        elif "embed_tokens" not in name:
-            x *= 1.5 / shape_[-1] ** 0.5
-        t = x.to(torch.bfloat16).cpu()
-        if size + t.nbytes > shard_bytes and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
     path.mkdir(parents=True, exist_ok=True)
     index: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    shard: dict[str, Any] = {}
+    total = 0
+
+    def flush() -> None:
+        fname = f"model-{len(set(index.values())) + 1:05d}.safetensors"
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         index.update({n: fname for n in shard})
-    total = sum(t.nbytes for s in shards for t in s.values())
+        shard.clear()
+
+    for name, dims in names:
+        x = torch.randn(dims, generator=gen, device=device, dtype=torch.float32)
+        if "norm" in name:
+            x = 1 + 0.1 * x
+        elif "embed_tokens" not in name:  # lm_head 4× sharper: fewer bf16 near-ties
+            x *= (6.0 if name == "lm_head.weight" else 1.5) / dims[-1] ** 0.5
+        t = x.to(torch.bfloat16).cpu()
+        if shard and sum(v.nbytes for v in shard.values()) + t.nbytes > shard_bytes:
+            flush()
+        shard[name] = t
+        total += t.nbytes
+    flush()
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
-    config.torch_dtype = "bfloat16"
+    config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}))
@@ -292,8 +301,9 @@ def check_prompts(work: Workload, vocab: int) -> list[list[int]]:
 
 
 # -- engines and what we read from them ---------------------------------------------------------
-def start_ray(device: str, gpus: int) -> None:
-    """A private local cluster (unless one is up), with NCCL's INIT logging on CUDA."""
+def start_ray(device: str) -> None:
+    """A private local cluster (unless one is up; Ray counts the GPUs), with NCCL's INIT
+    logging on CUDA."""
     from raypp import envs
 
     envs.apply_ray_cgraph_env()
@@ -306,7 +316,7 @@ def start_ray(device: str, gpus: int) -> None:
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
-             num_gpus=gpus if device == "cuda" else 0, object_store_memory=512 * 2**20,
+             num_gpus=None if device == "cuda" else 0, object_store_memory=512 * 2**20,
              include_dashboard=False, log_to_driver=False)
 
 
@@ -323,6 +333,8 @@ def make_llm(args: argparse.Namespace, work: Workload, model: Path, layout: Layo
                  "RAYPP_TRACE_COMM": "1" if trace_comm else None}
     if eager:
         overrides["RAYPP_ENFORCE_EAGER"] = "1"
+    if args.compile_decode is not None:
+        overrides["RAYPP_COMPILE_DECODE"] = args.compile_decode
     with env(**overrides):
         return LLM(str(model), pipeline_parallel_size=layout.pp,
                    tensor_parallel_size=layout.tp, dtype=dtype, device=args.device,
@@ -935,7 +947,15 @@ def _run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
     suite = SUITES[args.suite]
     run = Run(args)
-    start_ray(args.device, suite["gpus"])
+    start_ray(args.device)
+    if args.device == "cuda":
+        import ray
+
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        run.results["gpus_seen"] = gpus
+        if gpus < suite["gpus"]:
+            run.results["errors"]["gpus"] = f"suite {args.suite} needs {suite['gpus']} GPUs, " \
+                                            f"Ray sees {gpus}"
     root = Path(args.model_root)
     default_main = "tiny" if args.device == "cpu" else ("1b" if args.suite == "pp2" else "8b")
     default_check = "tiny" if args.device == "cpu" else "small"
@@ -976,6 +996,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-root", default="/tmp", help="where built checkpoints go")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the main engines")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--compile-decode", default=None, choices=["0", "1"],
+                    help="RAYPP_COMPILE_DECODE for the bf16 engines (default: the engine's, 1); "
+                         "0 captures the eager forward, which starts faster")
     ap.add_argument("--only", default=None,
                     help="comma-separated substrings of section names to run (e.g. "
                          "'fp32,hop,engine tp1pp1'); default: all")
