@@ -32,7 +32,7 @@ from raypp.bench.report import format_table, percentile, run_context, summarize,
 
 TRANSPORTS = ("raypp", "shm", "default", "actor")
 _TRANSPORT_LABELS = {
-    "raypp": "RayPPCommunicator/gloo",
+    "raypp": "RayPPCommunicator (PP group)",
     "shm": "Ray shm transport",
     "default": "Ray default (no annotation)",
     "actor": "plain actor calls",
