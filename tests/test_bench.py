@@ -61,7 +61,7 @@ def test_hop_bench_writes_rows_for_every_transport(ray_cluster, tmp_path):
             assert row["p50_vs_shm"] == 1.0
     assert [r["rows"] for r in result["gloo_raw"]] == [1, 8]
     assert all(r["one_way_p50_ms"] > 0 for r in result["gloo_raw"])
-    assert "RayPPCommunicator/gloo" in hop_table(result)
+    assert "RayPPCommunicator (PP group)" in hop_table(result)
 
 
 def test_throughput_json_and_timeline(bench_llm, tmp_path):
