@@ -45,7 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,11 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + args.budget_s
-        self.work = CUDA_WORKLOAD if args.device == "cuda" else CPU_WORKLOAD
+        work = CUDA_WORKLOAD if args.device == "cuda" else CPU_WORKLOAD
+        if args.hop_steps:
+            work = replace(work, hop_steps=args.hop_steps,
+                           hop_warmup=min(work.hop_warmup, args.hop_steps))
+        self.work = work
         self.results: dict[str, Any] = {
             "suite": args.suite, "device": args.device,
             "kind": "GPU run" if args.device == "cuda" else "CPU dry run (gloo, not a GPU result)",
@@ -191,6 +195,25 @@ class Run:
             self.results["timings_s"][name] = round(time.perf_counter() - started, 1)
             gc.collect()
             self.save()
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """CPUs, and on CUDA the GPUs (nvidia-smi; the driver never touches CUDA itself), their
+    topology and the NCCL / multicast settings in force."""
+    import subprocess
+
+    info: dict[str, Any] = {"cpus": os.cpu_count()}
+    if device != "cuda":
+        return info
+    for key, cmd in (("gpus", ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                               "--format=csv,noheader"]), ("topology", ["nvidia-smi", "topo", "-m"])):
+        try:
+            info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            info[key] = f"{type(e).__name__}: {e}"
+    info["env"] = {k: v for k, v in os.environ.items()
+                   if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_VISIBLE"))}
+    return info
 
 
 def log(msg: str) -> None:
@@ -861,10 +884,15 @@ def _comm_targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]
 
 
 def summary_markdown(results: dict[str, Any]) -> str:
+    ctx, machine = results.get("context", {}), results.get("machine", {})
     lines = [f"# raypp multi-GPU suite `{results['suite']}` — {results['kind']}", "",
              f"- command: `{results['command']}`",
-             f"- device: {results['device']}; context: {results.get('context', {})}",
-             f"- models: {results.get('models', {})}", ""]
+             f"- machine: {machine.get('cpus')} CPUs; GPUs: "
+             f"{machine.get('gpus', 'none').replace(chr(10), '; ')}",
+             f"- software: Ray {ctx.get('ray')}, torch {ctx.get('torch')}, "
+             f"Python {ctx.get('python')}; {ctx.get('time', '')}",
+             f"- models: {results.get('models', {})}",
+             f"- total {results.get('total_s', '?')} s; section times {results['timings_s']}", ""]
     if results["device"] != "cuda":
         lines += ["> **CPU dry run** over gloo with tiny models: it proves the script and the "
                   "checks, not GPU performance. Numbers below are not GPU results.", ""]
@@ -947,6 +975,7 @@ def _run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
     suite = SUITES[args.suite]
     run = Run(args)
+    run.results["machine"] = machine_info(args.device)
     start_ray(args.device)
     if args.device == "cuda":
         import ray
@@ -999,6 +1028,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-decode", default=None, choices=["0", "1"],
                     help="RAYPP_COMPILE_DECODE for the bf16 engines (default: the engine's, 1); "
                          "0 captures the eager forward, which starts faster")
+    ap.add_argument("--hop-steps", type=int, default=None,
+                    help="timed steps per hop row (default 200 on CUDA, 20 on CPU)")
     ap.add_argument("--only", default=None,
                     help="comma-separated substrings of section names to run (e.g. "
                          "'fp32,hop,engine tp1pp1'); default: all")
