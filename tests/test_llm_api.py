@@ -62,11 +62,6 @@ def test_bad_partition(tiny_llama, monkeypatch):
         LLM(str(tiny_llama), pipeline_parallel_size=3)
 
 
-def test_tensor_parallel_not_yet(tiny_llama):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(tiny_llama), tensor_parallel_size=2)
-
-
 def test_unknown_option_is_rejected(tiny_llama):
     with pytest.raises(TypeError, match="pipeline_paralel_size"):
         LLM(str(tiny_llama), pipeline_paralel_size=2)

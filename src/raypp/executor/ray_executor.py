@@ -327,6 +327,8 @@ class RayExecutor:
         """
         idle_after = envs.RAYPP_IDLE_SUSPEND_S
         while not self._stop.wait(1.0):
+            if not ray.is_initialized():  # the cluster went away (interpreter exit)
+                return
             try:
                 alive = ray.wait([w.ping.remote() for w in self.all_workers],
                                  num_returns=len(self.all_workers), timeout=5.0)[0]
