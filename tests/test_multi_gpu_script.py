@@ -110,6 +110,35 @@ def test_pp2_bf16_engine_and_throughput(pp2):
     assert any("not selected" in s for s in r["skipped"])  # --only left the rest out
 
 
+def test_summary_of_a_partial_cuda_shaped_run(pp2):
+    """The CUDA-only fields (NCCL counts, GPU memory) and an engine that died at start-up
+    still give targets and a summary."""
+    import copy
+
+    from raypp.bench.multi_gpu import summary_markdown, targets
+
+    r = copy.deepcopy(pp2[1])
+    r["device"], r["kind"] = "cuda", "GPU run"
+    wrapped = r["engines"][WRAPPED]
+    for report in wrapped["communicators"]:
+        report["nccl_comms_per_worker"] = [2, 2]
+        for w in report["workers"]:
+            w["memory"] = {"gpu_used_gib": 70.1}
+    native = copy.deepcopy(wrapped)
+    native["layout"] = NATIVE
+    for report in native["communicators"]:
+        report["nccl_comms_per_worker"] = [3, 3]
+    r["engines"][NATIVE] = native
+    r["engines"]["tp1pp2_native_inflight1"] = {"layout": "tp1pp2_native_inflight1", "tp": 1,
+                                               "pp": 2, "dtype": "bfloat16"}
+    rows = {t: (m, ok) for t, m, ok in targets(r)}
+    assert rows["wrapped: fewer NCCL communicators than native"] == ("4 vs 6", True)
+    assert rows["wrapped: no more GPU memory after start-up"] == ("70.1 vs 70.1 GiB", True)
+    text = summary_markdown(r)
+    assert text.startswith("# raypp multi-GPU suite `pp2` — GPU run")
+    assert "CPU dry run" not in text
+
+
 def test_tp2pp2_equals_tp1pp1(pp2, tiny_llama, tmp_path):
     # (1,1) ran in the pp2 suite on the same checkpoint and prompts: not started again
     reference = pp2[1]["correctness"][f"fp32/{REFERENCE.name}"]["tokens"]

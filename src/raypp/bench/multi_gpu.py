@@ -872,7 +872,8 @@ def _comm_targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]
                          not ray_created))
     engines = results["engines"]
     w, n = engines.get("tp1pp2_wrapped_inflight2"), engines.get("tp1pp2_native_inflight2")
-    if w and n and results["device"] == "cuda":
+    if w and n and w.get("communicators") and n.get("communicators") \
+            and results["device"] == "cuda":
         cw = sum(w["communicators"][-1]["nccl_comms_per_worker"])
         cn = sum(n["communicators"][-1]["nccl_comms_per_worker"])
         rows.append(("wrapped: fewer NCCL communicators than native", f"{cw} vs {cn}", cw < cn))
@@ -1000,10 +1001,12 @@ def _run_suite(args: argparse.Namespace) -> dict[str, Any]:
     if main is not None:
         bench_engines(run, main, suite["bench"], suite["timeline"])
     run.results["context"] = run_context()
-    run.results["targets"] = [list(t) for t in targets(run.results)]
     run.results["total_s"] = round(time.perf_counter() - run.t0, 1)
-    run.save()
-    (run.out / "summary.md").write_text(summary_markdown(run.results))
+    try:
+        run.results["targets"] = [list(t) for t in targets(run.results)]
+    except Exception as e:  # noqa: BLE001 - the measurements are still worth saving
+        run.results["errors"]["targets"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    run.save()  # also writes summary.md
     log(f"done in {run.results['total_s']} s: {run.out / 'results.json'}, "
         f"{run.out / 'summary.md'}")
     return run.results
