@@ -88,12 +88,11 @@ class RayPPCommunicator(CPUCommunicator):
         self._closed = False
 
     def _build_actor_rank_map(self) -> dict[str, int]:
+        # Over the group's gloo CPU group: on CUDA a device-group collective would make
+        # NCCL build a communicator that PP point-to-point traffic never needs.
         actor_id = ray.get_runtime_context().get_actor_id()
         assert len(actor_id) == _ACTOR_ID_BYTES, actor_id
-        mine = torch.frombuffer(bytearray(actor_id.encode()), dtype=torch.uint8)
-        mine = mine.to(self._group.device_communicator.device)
-        gathered = self._group.all_gather(mine.unsqueeze(0), dim=0).cpu()
-        return {bytes(row.tolist()).decode(): rank for rank, row in enumerate(gathered)}
+        return {aid: rank for rank, aid in enumerate(self._group.all_gather_object(actor_id))}
 
     # -- identity ---------------------------------------------------------------------
     def get_actor_handles(self) -> list[ray.actor.ActorHandle]:
