@@ -122,6 +122,21 @@ def test_greedy_equals_transformers_and_cgraph(engines, tiny_llama, pp):
         assert _generate(cgraph, prompts, SEEDED) == seeded
 
 
+def test_tensor_parallel_lanes_equal_transformers_and_tp1(engines, tiny_llama):
+    """tp=2 × pp=2: every worker runs a loop, each lane over its own PP group."""
+    direct = _llm(tiny_llama, "direct", 2, tensor_parallel_size=2)
+    try:
+        assert len(direct.engine.executor.stage_pids) == 4
+        prompts = _prompts(direct)
+        got, seeded = _generate(direct, prompts), _generate(direct, prompts, SEEDED)
+        stats = direct.engine.executor.comm_stats()
+    finally:
+        direct.shutdown()
+    assert got == _hf_greedy(tiny_llama, prompts, MAX_NEW)
+    assert seeded == _generate(engines(tiny_llama, "direct", 2), prompts, SEEDED)
+    assert stats[0]["sends"] > 0 and stats[1]["recvs"] > 0
+
+
 def test_qwen2_equals_transformers_and_shutdown_is_clean(ray_cluster, tiny_qwen2, caplog):
     with _llm(tiny_qwen2, "direct", 2) as llm:
         prompts = _prompts(llm)

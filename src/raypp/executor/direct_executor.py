@@ -64,8 +64,10 @@ _FAILED = "__raypp_step_failed__"  # key of a failure marker sent down the pipel
 
 @dataclass(frozen=True)
 class _LoopSpec:
-    steps_address: str  # the stage's step queue (it connects a PULL)
+    index: int  # the worker's global rank: pp_rank * tp_size + tp_rank
+    steps_address: str  # the worker's step queue (it connects a PULL)
     results_address: str  # the driver's result queue (it connects a PUSH)
+    replies: bool  # the last stage's TP rank 0 returns step outputs; its TP peers agree
 
 
 class DirectExecutor:
@@ -109,17 +111,18 @@ class DirectExecutor:
 
     # -- start-up ----------------------------------------------------------------------
     @property
-    def stages(self) -> list[Any]:
-        """One actor per stage (tp == 1), in PP order."""
-        return [lane[0] for lane in self.workers]
-
-    @property
     def all_workers(self) -> list[Any]:
+        """Every worker, by global rank (``pp_rank * tp_size + tp_rank``)."""
         return self._actors.all_workers
+
+    def _name(self, index: int) -> str:
+        pp_rank, tp_rank = divmod(index, self.tp_size)
+        return f"stage {pp_rank} (actor raypp_worker_{pp_rank}_{tp_rank})"
 
     def _open_queues(self, transport: str) -> list[_LoopSpec]:
         here = ray.get_runtime_context().get_node_id()
-        nodes = self._actors.gather([w.__ray_call__.remote(_node_id) for w in self.stages])
+        workers = self.all_workers
+        nodes = self._actors.gather([w.__ray_call__.remote(_node_id) for w in workers])
         local = [node == here for node in nodes]
         if transport == "ipc" and not all(local):
             raise ValueError("transport='ipc' needs every stage on the driver's node")
@@ -136,27 +139,30 @@ class DirectExecutor:
         ipc_results = self._results.addresses[0] if any(use_ipc) else None
         tcp_results = self._results.addresses[-1] if not all(use_ipc) else None
         specs = []
-        for pp_rank, ipc in enumerate(use_ipc):
-            address = self._ipc_dir.address(f"steps{pp_rank}") if ipc else mq.tcp_address(tcp_ip)
+        last_stage_rank0 = (self.pp_size - 1) * self.tp_size
+        for index, ipc in enumerate(use_ipc):
+            address = self._ipc_dir.address(f"steps{index}") if ipc else mq.tcp_address(tcp_ip)
             sender = mq.Sender(self._ctx, bind=address)
             self._steps.append(sender)
-            specs.append(_LoopSpec(sender.address, ipc_results if ipc else tcp_results))
+            specs.append(_LoopSpec(index, sender.address, ipc_results if ipc else tcp_results,
+                                   replies=index == last_stage_rank0))
         logger.info("direct control plane: step queues %s", [s.address for s in self._steps])
         return specs
 
     def _start_loops(self, specs: list[_LoopSpec]) -> None:
         refs = [w.__ray_call__.remote(_start_stage_loop, spec)
-                for w, spec in zip(self.stages, specs, strict=True)]
+                for w, spec in zip(self.all_workers, specs, strict=True)]
         self.stage_pids = self._actors.gather(refs)
         ready: set[int] = set()
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while len(ready) < self.pp_size:
+        while len(ready) < len(specs):
             msg = self._results.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
-                raise TimeoutError(f"stage loops {sorted(set(range(self.pp_size)) - ready)} did "
-                                   f"not connect within {_READY_TIMEOUT_S:g} s")
+                missing = [self._name(i) for i in range(len(specs)) if i not in ready]
+                raise TimeoutError(f"loops of {missing} did not connect within "
+                                   f"{_READY_TIMEOUT_S:g} s")
             if msg[0] == "fatal":
-                raise StageDiedError(f"stage {msg[1]} loop failed to start: {msg[2]}")
+                raise StageDiedError(f"{self._name(msg[1])}: loop failed to start: {msg[2]}")
             if msg[0] == "ready":
                 ready.add(msg[1])
 
@@ -170,14 +176,14 @@ class DirectExecutor:
             while (msg := self._recv(0)) is not None:  # a loop that broke while idle
                 self._on_message(msg)
             self._raise_if_broken()
-            for pp_rank, sender in enumerate(self._steps):
+            for index, sender in enumerate(self._steps):
                 try:
                     sender.send_bytes(data, _SEND_TIMEOUT_S)
                 except TimeoutError as e:
                     self._check_stages()
                     raise StepTimeoutError(
-                        f"stage {pp_rank} took no step for {_SEND_TIMEOUT_S:g} s though its "
-                        "actor is alive") from e
+                        f"{self._name(index)} took no step for {_SEND_TIMEOUT_S:g} s though "
+                        "its actor is alive") from e
         self._pending.add(step.step_id)
         return step.step_id
 
@@ -224,7 +230,7 @@ class DirectExecutor:
             deadline = time.monotonic() + _PING_TIMEOUT_S
             while not (dead := self._dead_stages()) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            self._broken = "; ".join(dead) or f"stage {msg[1]}'s loop stopped: {msg[2]}"
+            self._broken = "; ".join(dead) or f"{self._name(msg[1])}: loop stopped: {msg[2]}"
             self._raise_if_broken()
 
     def _check_stages(self) -> None:
@@ -235,17 +241,16 @@ class DirectExecutor:
             self._raise_if_broken()
 
     def _dead_stages(self) -> list[str]:
-        refs = [w.ping.remote() for w in self.stages]
+        refs = [w.ping.remote() for w in self.all_workers]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=_PING_TIMEOUT_S)
         dead = []
-        for pp_rank, ref in enumerate(refs):
+        for index, ref in enumerate(refs):
             if ref not in done:
                 continue  # busy or slow, not known dead: the step timeout bounds the wait
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as e:
-                dead.append(f"stage {pp_rank} (actor raypp_worker_{pp_rank}_0) died: "
-                            f"{type(e).__name__}: {_first_line(e)}")
+                dead.append(f"{self._name(index)} died: {type(e).__name__}: {_first_line(e)}")
         return dead
 
     def _raise_if_broken(self) -> None:
@@ -255,7 +260,7 @@ class DirectExecutor:
 
     # -- introspection ---------------------------------------------------------------------
     def comm_stats(self) -> list[dict[str, Any]]:
-        return self._actors.gather([w.comm_stats.remote() for w in self.stages])
+        return self._actors.gather([stage[0].comm_stats.remote() for stage in self.workers])
 
     def traced_intervals(self) -> list[tuple[int, float, float]]:
         out = []
@@ -269,7 +274,7 @@ class DirectExecutor:
         if self._broken is not None or not self.workers:
             return False
         try:
-            alive = ray.get([w.__ray_call__.remote(_loop_alive) for w in self.stages],
+            alive = ray.get([w.__ray_call__.remote(_loop_alive) for w in self.all_workers],
                             timeout=timeout)
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return False
@@ -307,8 +312,9 @@ class DirectExecutor:
                 if msg is not None and msg[0] == "stopped":
                     stopped.add(msg[1])
         if len(stopped) < len(self._steps):
-            logger.warning("stage loops %s did not stop within %g s; killing them",
-                           sorted(set(range(len(self._steps))) - stopped), _STOP_WAIT_S)
+            logger.warning("loops of %s did not stop within %g s; killing them",
+                           [self._name(i) for i in range(len(self._steps)) if i not in stopped],
+                           _STOP_WAIT_S)
 
 
 _LIVE: weakref.WeakSet[DirectExecutor] = weakref.WeakSet()
@@ -339,7 +345,7 @@ def _loop_alive(worker: StageWorker) -> bool:
 def _start_stage_loop(worker: StageWorker, spec: _LoopSpec) -> int:
     """Start this stage's loop on threads of the actor; returns the actor's pid."""
     if _loop_alive(worker):
-        raise RuntimeError(f"stage {worker.pp_rank} already runs a direct-plane loop")
+        raise RuntimeError(f"worker {spec.index} already runs a direct-plane loop")
     worker._direct_loop = _StageLoop(worker, spec)
     worker._direct_loop.start()
     return os.getpid()
@@ -349,7 +355,11 @@ _STOP = object()  # ends a thread of the stage loop, in FIFO order behind the st
 
 
 class _StageLoop:
-    """The direct plane inside one stage: three threads joined by FIFO queues.
+    """The direct plane inside one worker: three threads joined by FIFO queues.
+
+    Every worker of every stage runs one; with TP, the workers of a stage run the
+    same steps in the same order (their all-reduces pair up) and each sends to its
+    own lane's next stage over its lane's PP group.
 
     ``intake`` takes descriptors from the step queue and, after the first stage,
     receives the step's tensors (``recv_tensor_dict``); ``compute`` runs
@@ -363,7 +373,7 @@ class _StageLoop:
 
     def __init__(self, worker: StageWorker, spec: _LoopSpec):
         self.worker, self.spec = worker, spec
-        self.rank = worker.pp_rank
+        self.rank = spec.index
         self.pp = parallel_state.get_pp_group()
         self.stop = threading.Event()
         self.ctx = mq.new_context()
@@ -373,7 +383,7 @@ class _StageLoop:
         self._outgoing: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         parts = [self._intake, self._compute] + ([] if self.pp.is_last_rank else [self._send])
         self.threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True,
-                                         name=f"raypp-direct-{self.rank}-{fn.__name__[1:]}")
+                                         name=f"raypp-direct-w{self.rank}-{fn.__name__[1:]}")
                         for fn in parts]
 
     def start(self) -> None:
@@ -411,8 +421,9 @@ class _StageLoop:
                 except StageError as e:
                     failure = str(e)
             if self.pp.is_last_rank:
-                self._report(("err", step.step_id, failure) if failure
-                             else ("out", step.step_id, out))
+                if self.spec.replies:
+                    self._report(("err", step.step_id, failure) if failure
+                                 else ("out", step.step_id, out))
             else:
                 self._put(self._outgoing, {_FAILED: failure} if failure else out[1])
         if self.pp.is_last_rank:
@@ -432,7 +443,7 @@ class _StageLoop:
         except _Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - reported, then the loop ends
-            logger.exception("stage %d direct-plane %s thread failed", self.rank, fn.__name__)
+            logger.exception("worker %d direct-plane %s thread failed", self.rank, fn.__name__)
             self.stop.set()
             with contextlib.suppress(Exception):
                 self._report(("fatal", self.rank, f"{type(e).__name__}: {e}"))
