@@ -101,6 +101,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "CPU point-to-point transport of the engine's groups: 'auto' (Unix sockets "
         "between ranks on the same host, gloo across hosts) or 'gloo' (always gloo).",
     ),
+    "RAYPP_DRIVER_WAIT": (
+        _str("RAYPP_DRIVER_WAIT", "auto"),
+        "How the driver waits for a compiled-graph step: 'spin' (ray.get, lowest "
+        "latency, burns a core), 'poll' (sleeps 50 µs–1 ms between checks), or 'auto' "
+        "(poll on CPU, where cores are scarce; spin on CUDA).",
+    ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),

@@ -16,6 +16,15 @@ changes, so the shim is re-checked rather than silently kept):
    next execution's tensors with this one's CPU data: silent wrong results, then
    a hang. The replacement keeps received tensors until the CPU part is read.
    Applied on CPU and CUDA (the same code serves NCCL).
+3. ``SynchronousReader._read_list`` (the stage loop's input reader) waits for
+   each input by blocking channel reads that spin in C++ for up to 0.1 s at a
+   time: an idle or waiting stage burns a core. On CPU, where the stages share a
+   few cores with the compute they wait for, the replacement reads with
+   ``timeout=0`` and sleeps 50 µs–1 ms between passes that found nothing; the
+   logic is otherwise Ray's (fail fast on a ``RayTaskError``, leftover channels).
+   Safe because every channel raypp's graphs read is retry-safe (patch 2 covers
+   the accelerator channel; a shared-memory channel read is all or nothing).
+   Applied only on CPU workers.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ def apply(on_cpu: bool) -> None:
         _applied.add("read")
     if on_cpu and "cpu" not in _applied:
         _patch_cpu_device_asserts()
+        _patch_sleeping_input_reader()
         _applied.add("cpu")
 
 
@@ -91,3 +101,45 @@ def _patch_retry_safe_read() -> None:
         return data
 
     m.TorchTensorAcceleratorChannel.read = read
+
+
+def _patch_sleeping_input_reader() -> None:
+    import time
+
+    import ray
+    from ray.exceptions import RayChannelTimeoutError
+    from ray.experimental.channel import common
+
+    def _read_list(self: Any, timeout: float | None = None) -> list[Any]:
+        self._consume_leftover_channels_if_needed(timeout)
+        channels = self._input_channels
+        results: list[Any] = [None] * len(channels)
+        deadline = None if timeout is None or timeout == -1 else time.monotonic() + timeout
+        done: set[int] = set()
+        pause = 5e-5
+        while len(done) < len(channels):
+            progressed = False
+            for i, channel in enumerate(channels):
+                if i in done:
+                    continue
+                try:
+                    result = channel.read(0)
+                except RayChannelTimeoutError:
+                    continue
+                results[i], progressed = result, True
+                done.add(i)
+                if isinstance(result, ray.exceptions.RayTaskError):
+                    self._leftover_channels = [c for j, c in enumerate(channels) if j not in done]
+                    return [result] * len(channels)
+            if len(done) == len(channels):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RayChannelTimeoutError(f"Cannot read all channels within {timeout} seconds")
+            if progressed:
+                pause = 5e-5
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+        return results
+
+    common.SynchronousReader._read_list = _read_list
