@@ -169,7 +169,9 @@ def test_ray_internals_the_shim_relies_on_are_unchanged():
     # stock read fetches tensors, then the CPU part, with nothing kept across a timeout
     assert "tensors = self._gpu_data_channel.read(timeout)" in read
     assert "_recv_cpu_and_gpu_data(tensors, timeout)" in read
-    # the exec loop still retries reads after a per-iteration timeout
-    from ray.dag import compiled_dag_node
+    # the stage loop's reader still reads with blocking per-iteration timeouts
+    from ray.experimental.channel import common
 
-    assert "RayChannelTimeoutError" in inspect.getsource(compiled_dag_node)
+    reader = inspect.getsource(common.SynchronousReader._read_list)
+    assert "c.read(min(remaining_timeout, iteration_timeout))" in reader
+    assert "_consume_leftover_channels_if_needed(timeout)" in reader
