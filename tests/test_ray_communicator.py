@@ -59,6 +59,17 @@ class _Rank:
             out.append(torch.equal(t, want.reshape(shape).to(getattr(torch, dtype))))
         return out
 
+    def send_objects(self, peer: int, objs: list) -> None:
+        from raypp.distributed import parallel_state
+
+        for obj in objs:
+            parallel_state.get_pp_group().send_object(obj, peer)
+
+    def recv_objects(self, peer: int, n: int) -> list:
+        from raypp.distributed import parallel_state
+
+        return [parallel_state.get_pp_group().recv_object(peer) for _ in range(n)]
+
     def transport(self) -> bool:
         from raypp.distributed import parallel_state
 
@@ -138,6 +149,14 @@ def test_same_host_pipes_carry_any_size_in_order(pair, dtype):
     import os
 
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("raypp-")], "segment names left"
+
+
+def test_objects_ride_the_same_host_pipes_in_order(pair):
+    actors, _, _ = pair
+    objs = [{"step": 1}, list(range(100_000)), "x" * 3_000_000, None, ("tail", 2.5)]
+    receiving = actors[1].recv_objects.remote(0, len(objs))
+    ray.get(actors[0].send_objects.remote(1, objs))
+    assert ray.get(receiving) == objs
 
 
 def test_ids_need_no_cupy():

@@ -162,12 +162,19 @@ class GroupCoordinator:
 
     # -- small objects over the CPU group ----------------------------------------
     def send_object(self, obj: Any, dst: int) -> None:
+        pipes = self.device_communicator.pipes
+        if pipes is not None and pipes.reaches(dst):  # same host: no gloo round
+            pipes.send_bytes(pickle.dumps(obj), dst)
+            return
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         dist.send(size, dst=self.ranks[dst], group=self.cpu_group)
         dist.send(payload, dst=self.ranks[dst], group=self.cpu_group)
 
     def recv_object(self, src: int) -> Any:
+        pipes = self.device_communicator.pipes
+        if pipes is not None and pipes.reaches(src):
+            return pickle.loads(pipes.recv_bytes(src))
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, src=self.ranks[src], group=self.cpu_group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)

@@ -114,6 +114,7 @@ class LocalPipes:
         self._out_rings: dict[int, _Ring] = {}
         self._in_rings: dict[int, _Ring] = {}
         self._accept_lock = threading.Lock()
+        self._last_nbytes = 0
 
     def connect_peers(self, addresses: dict[int, str]) -> None:
         """Record the listening address of every same-host peer (no connection yet)."""
@@ -149,6 +150,22 @@ class LocalPipes:
             ring.unacked -= len(acks)
 
     def recv_into(self, tensor: torch.Tensor, src: int) -> None:
+        data = _bytes(tensor)
+        sock, ring, slot = self._next_message(src, expect=data.nbytes)
+        data[:] = ring.slot_array(slot, data.nbytes)
+        self._ack(sock, src)
+
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        self.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst)
+
+    def recv_bytes(self, src: int) -> bytes:
+        """The next message from ``src`` whatever its size (pairs with :meth:`send_bytes`)."""
+        sock, ring, slot = self._next_message(src, expect=None)
+        data = ring.slot_array(slot, self._last_nbytes).tobytes()
+        self._ack(sock, src)
+        return data
+
+    def _next_message(self, src: int, expect: int | None) -> tuple[socket.socket, _Ring, int]:
         sock = self._in.get(src) or self._accept(src)
         sender, nbytes, slot, name_len = _HEADER.unpack(_recv_exactly(sock, _HEADER.size, src))
         if name_len:
@@ -157,11 +174,14 @@ class LocalPipes:
                 old.close()
             name = _recv_exactly(sock, name_len, src).decode()
             self._in_rings[src] = _Ring.attach(name)
-        data = _bytes(tensor)
-        if sender != src or nbytes != data.nbytes:
-            raise RuntimeError(f"local pipe from rank {src}: expected {data.nbytes} bytes from "
+        if sender != src or (expect is not None and nbytes != expect):
+            raise RuntimeError(f"local pipe from rank {src}: expected {expect} bytes from "
                                f"rank {src}, got {nbytes} from rank {sender}")
-        data[:] = self._in_rings[src].slot_array(slot, nbytes)
+        self._last_nbytes = nbytes
+        return sock, self._in_rings[src], slot
+
+    @staticmethod
+    def _ack(sock: socket.socket, src: int) -> None:
         try:
             sock.sendall(b"\x01")  # the slot is free again
         except OSError as e:
