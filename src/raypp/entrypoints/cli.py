@@ -128,7 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.RAYPP_LOG_LEVEL or "INFO",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # raypp's own logger keeps its handler (raypp.logger); others go to the root one
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
