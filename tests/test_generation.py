@@ -25,21 +25,25 @@ def _generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("model", "pp", "partition"),
+    ("model", "pp", "partition", "plane"),
     [
-        ("tiny_llama", 1, None),
-        ("tiny_llama", 2, None),
-        ("tiny_llama", 3, None),
-        ("tiny_llama", 3, "1,3,2"),
-        ("tiny_qwen2", 2, None),
-        ("tiny_llama3_rope", 3, None),
+        ("tiny_llama", 1, None, "cgraph"),
+        ("tiny_llama", 2, None, "cgraph"),
+        ("tiny_llama", 3, None, "cgraph"),
+        ("tiny_llama", 3, "1,3,2", "cgraph"),
+        ("tiny_qwen2", 2, None, "cgraph"),
+        ("tiny_llama3_rope", 3, None, "cgraph"),
+        ("tiny_qwen2", 2, None, "direct"),
+        ("tiny_llama", 3, "1,3,2", "direct"),
     ],
 )
-def test_greedy_matches_transformers(request, ray_cluster, monkeypatch, model, pp, partition):
+def test_greedy_matches_transformers(request, ray_cluster, monkeypatch, model, pp, partition,
+                                     plane):
     model_dir = request.getfixturevalue(model)
     if partition:
         monkeypatch.setenv("RAYPP_PP_LAYER_PARTITION", partition)
-    with LLM(str(model_dir), pipeline_parallel_size=pp) as llm:
+    with LLM(str(model_dir), pipeline_parallel_size=pp, control_plane=plane) as llm:
+        assert llm.engine.executor.control_plane == plane
         prompts = _prompts(llm)
         assert [len(p) for p in prompts] == PROMPT_LENGTHS
         got = _generate_ids(llm, prompts)
