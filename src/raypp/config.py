@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -268,11 +268,3 @@ def partition_layers(
         bounds.append((start, start + size))
         start += size
     return bounds
-
-
-def reject_unknown(cls: type, kwargs: dict[str, Any]) -> None:
-    """Raise ``TypeError`` naming keys that are not fields of dataclass ``cls``."""
-    known = {f.name for f in fields(cls) if f.init}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise TypeError(f"unknown {cls.__name__} option(s): {', '.join(unknown)}")

@@ -40,16 +40,24 @@ _TRANSPORT_LABELS = {
 
 
 class HopStage:
-    """A bench stage actor: owns one rank of a real gloo PP group, makes/forwards tensors."""
+    """A bench stage actor: one rank of a real PP group (gloo on CPU, NCCL on CUDA)
+    that makes, forwards or consumes ``(n, hidden)`` tensors. Also used by
+    :mod:`raypp.bench.multi_gpu`."""
 
-    def __init__(self, rank: int, world: int, hidden: int):
+    def __init__(self, rank: int, world: int, hidden: int, device: str = "cpu",
+                 dtype: str = "float32"):
         import torch
 
         from raypp.distributed import ray_compat
 
-        torch.set_num_threads(1)
-        ray_compat.apply(on_cpu=True)
         self.rank, self.world, self.hidden = rank, world, hidden
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(1)
+        ray_compat.apply(on_cpu=self.device.type == "cpu")
+        self.dtype = getattr(torch, dtype)
         self._tensors: dict[int, Any] = {}
 
     def pid(self) -> int:
@@ -61,38 +69,41 @@ class HopStage:
             return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
     def init_group(self, init_method: str, timeout_s: float) -> None:
-        import torch
-
         from raypp.distributed import parallel_state
 
         layout = parallel_state.RankLayout(tp_size=1, pp_size=self.world)
-        parallel_state.init_distributed(layout, self.rank, init_method, torch.device("cpu"),
-                                        timeout_s)
+        parallel_state.init_distributed(layout, self.rank, init_method, self.device, timeout_s)
 
     def first(self, n: int) -> Any:
         import torch
 
-        if n not in self._tensors:  # made once: the step measures the hop, not torch.ones
-            self._tensors[n] = torch.ones(n, self.hidden, dtype=torch.float32)
+        if n not in self._tensors:  # made once: the step measures the hop, not the fill
+            self._tensors[n] = torch.ones(n, self.hidden, dtype=self.dtype, device=self.device)
         return self._tensors[n]
 
     def mid(self, x: Any) -> Any:
         return x
 
     def last(self, x: Any) -> int:
+        self._sync()
         return int(x.shape[0])
 
     def only(self, n: int) -> int:
         return int(self.first(n).shape[0])
 
-    def gloo_pingpong(self, n: int, steps: int, warmup: int) -> list[float]:
-        """Ranks 0 and 1 bounce an ``(n, hidden)`` tensor; rank 0 returns one-way times (s)."""
+    def _sync(self) -> None:
         import torch
 
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def raw_pingpong(self, n: int, steps: int, warmup: int) -> list[float]:
+        """Ranks 0 and 1 bounce an ``(n, hidden)`` tensor over the PP group with no
+        compiled graph (torch.distributed / same-host pipes); rank 0 returns one-way seconds."""
         from raypp.distributed import parallel_state
 
         group = parallel_state.get_pp_group()
-        buf = torch.ones(n, self.hidden, dtype=torch.float32)
+        buf = self.first(n)
         peer = 1 - self.rank
         times = []
         for i in range(warmup + steps):
@@ -103,6 +114,7 @@ class HopStage:
             else:
                 got = group.recv(tuple(buf.shape), buf.dtype, peer)
                 group.send(got, peer)
+            self._sync()
             if i >= warmup:
                 times.append((time.perf_counter() - started) / 2)
         return times
@@ -277,7 +289,7 @@ def _bench_stage_count(num_stages: int, args: argparse.Namespace) -> tuple[list,
             import ray
 
             for n in args.sizes:
-                times = ray.get([s.gloo_pingpong.remote(n, args.steps, args.warmup)
+                times = ray.get([s.raw_pingpong.remote(n, args.steps, args.warmup)
                                  for s in stages])[0]
                 stats = summarize(times)
                 raw.append({"rows": n, "bytes": n * args.hidden * 4,

@@ -605,93 +605,6 @@ def bench_engines(run: Run, model: Path, layouts: list[Layout], timeline: Layout
 
 
 # -- hop latency ---------------------------------------------------------------------------------
-class HopWorker:
-    """A bench actor on one device: one rank of a real PP group (NCCL or gloo)."""
-
-    def __init__(self, rank: int, device: str, hidden: int):
-        import torch
-
-        from raypp.distributed import ray_compat
-
-        self.rank, self.hidden = rank, hidden
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        else:
-            torch.set_num_threads(1)
-        ray_compat.apply(on_cpu=self.device.type == "cpu")
-        self.dtype = torch.bfloat16
-        self._tensors: dict[int, Any] = {}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def rendezvous_address(self) -> str:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-    def init_group(self, init_method: str, timeout_s: float) -> None:
-        from raypp.distributed import parallel_state
-
-        layout = parallel_state.RankLayout(tp_size=1, pp_size=2)
-        parallel_state.init_distributed(layout, self.rank, init_method, self.device, timeout_s)
-
-    def first(self, n: int) -> Any:
-        import torch
-
-        if n not in self._tensors:  # made once: a step measures the hop, not the fill
-            self._tensors[n] = torch.ones(n, self.hidden, dtype=self.dtype, device=self.device)
-        return self._tensors[n]
-
-    def last(self, x: Any) -> int:
-        self._sync()
-        return int(x.shape[0])
-
-    def only(self, n: int) -> int:
-        return int(self.first(n).shape[0])
-
-    def _sync(self) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    def raw_pingpong(self, n: int, steps: int, warmup: int) -> list[float]:
-        """Ranks 0 and 1 bounce an ``(n, hidden)`` tensor over the PP group's device
-        group (torch.distributed send/recv); rank 0 returns one-way seconds."""
-        from raypp.distributed import parallel_state
-
-        group = parallel_state.get_pp_group()
-        buf = self.first(n)
-        peer = 1 - self.rank
-        times = []
-        for i in range(warmup + steps):
-            started = time.perf_counter()
-            if self.rank == 0:
-                group.send(buf, peer)
-                group.recv(tuple(buf.shape), buf.dtype, peer)
-            else:
-                got = group.recv(tuple(buf.shape), buf.dtype, peer)
-                group.send(got, peer)
-            self._sync()
-            if i >= warmup:
-                times.append((time.perf_counter() - started) / 2)
-        return times
-
-    def drain_comm_trace(self) -> list[tuple[str, int, float, float, int]]:
-        from raypp.distributed import ray_communicator
-
-        return ray_communicator.drain_comm_trace()
-
-    def shutdown(self) -> None:
-        from raypp.distributed import parallel_state
-
-        parallel_state.destroy_distributed()
-
-
 def _hop_dag(stages: list[Any], transport: Any, buffer_bytes: int) -> Any:
     from ray.dag import InputNode
 
@@ -724,10 +637,11 @@ def hop_latency(run: Run) -> dict[str, Any]:
     work, device = run.work, run.args.device
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("RAYPP_", "RAY_CGRAPH_"))}
     env_vars["RAYPP_TRACE_COMM"] = "1"  # send/recv intervals inside RayPPCommunicator
-    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(HopWorker)
-    stages = [actor.options(runtime_env={"env_vars": env_vars}).remote(r, device,
-                                                                       work.hop_hidden)
-              for r in range(2)]
+    from raypp.bench.hop import HopStage
+
+    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(HopStage)
+    stages = [actor.options(runtime_env={"env_vars": env_vars}).remote(
+        r, 2, work.hop_hidden, device, "bfloat16") for r in range(2)]
     result: dict[str, Any] = {"hidden": work.hop_hidden, "dtype": "bfloat16",
                               "steps": work.hop_steps, "warmup": work.hop_warmup, "rows": {},
                               "errors": {}}

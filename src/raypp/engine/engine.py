@@ -220,14 +220,17 @@ class LLMEngine:
                 failed[request.request_id] = request
         outputs = []
         for request in failed.values():
-            for seq in request.seqs:
-                if not seq.finished:
-                    seq.finish("error")
-                self.scheduler.finish(seq)
-            request.error = f"{kind}: {message}"
+            self._fail_request(request, f"{kind}: {message}")
             outputs.append(self._request_output(request))
             del self.requests[request.request_id]
         return outputs
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish("error")
+            self.scheduler.finish(seq)
+        request.error = error
 
     def _on_executor_failure(self, error: Exception) -> list[RequestOutput]:
         kind = "stage_died" if isinstance(error, StageDiedError) else "step_timeout"
@@ -262,11 +265,7 @@ class LLMEngine:
 
     def _fail_all(self, message: str) -> None:
         for request in list(self.requests.values()):
-            for seq in request.seqs:
-                if not seq.finished:
-                    seq.finish("error")
-                self.scheduler.finish(seq)
-            request.error = message
+            self._fail_request(request, message)
         self.requests.clear()
 
     @property

@@ -47,7 +47,12 @@ from raypp.config import EngineConfig
 from raypp.distributed import parallel_state
 from raypp.engine.step import StepInput, StepOutput
 from raypp.executor import message_queue as mq
-from raypp.executor.errors import StageDiedError, StageError, StepTimeoutError
+from raypp.executor.errors import (
+    StageDiedError,
+    StageError,
+    StepTimeoutError,
+    first_line,
+)
 from raypp.executor.ray_executor import StageActors, ensure_ray
 from raypp.executor.worker import StageWorker
 
@@ -250,7 +255,7 @@ class DirectExecutor:
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as e:
-                dead.append(f"{self._name(index)} died: {type(e).__name__}: {_first_line(e)}")
+                dead.append(f"{self._name(index)} died: {type(e).__name__}: {first_line(e)}")
         return dead
 
     def _raise_if_broken(self) -> None:
@@ -324,10 +329,6 @@ _LIVE: weakref.WeakSet[DirectExecutor] = weakref.WeakSet()
 def _shutdown_all() -> None:
     for executor in list(_LIVE):
         executor.shutdown()
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 # -- inside the stage actors (run through ``actor.__ray_call__``) -----------------------

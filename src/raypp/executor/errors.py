@@ -41,3 +41,9 @@ class RequestFailedError(RuntimeError):
         self.outputs = outputs
         first = next(iter(errors.items()))
         super().__init__(f"{len(errors)} request(s) failed; prompt {first[0]}: {first[1]}")
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -32,7 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from raypp.distributed.ray_communicator import RayPPCommunicator  # noqa: E402
-from raypp.executor.errors import StageDiedError, StageError, StepTimeoutError  # noqa: E402
+from raypp.executor.errors import StageDiedError, StageError, StepTimeoutError, first_line  # noqa: E402
 from raypp.executor.worker import StageWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ class RayExecutor:
     def _classify_inner(self, e: Exception) -> Exception:
         if isinstance(e, StageError):  # RayTaskError re-raised as the stage's own error
             cause = getattr(e, "cause", None)
-            return StageError(str(cause) if cause is not None else _first_line(e))
+            return StageError(str(cause) if cause is not None else first_line(e))
         if isinstance(e, (RayChannelTimeoutError, GetTimeoutError, TimeoutError)):
             dead = self._dead_stages()
             if dead:
@@ -326,7 +326,7 @@ class RayExecutor:
             )
         dead = self._dead_stages()
         return StageDiedError(f"{dead or 'the compiled graph broke'}: {type(e).__name__}: "
-                              f"{_first_line(e)}")
+                              f"{first_line(e)}")
 
     def _dead_stages(self) -> str:
         """``"stage k (raypp_worker_k_0) died"`` for each dead stage, or ``""``."""
@@ -432,11 +432,6 @@ class RayExecutor:
             self._actors.kill()
             self._teardown_graph()
             self.workers = []
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 _LIVE: weakref.WeakSet[RayExecutor] = weakref.WeakSet()
