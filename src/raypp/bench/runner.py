@@ -240,7 +240,7 @@ def _throughput_numbers(requests: list[BenchRequest], stats: RunStats,
         "num_requests": repeats * len(requests),
         "num_prompt_tokens": prompt_tokens,
         "num_output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 4),
+        "elapsed_s": round(elapsed, 6),  # enough digits to recompute the rates
         "requests_per_s": round(repeats * len(requests) / elapsed, 4),
         "output_tokens_per_s": round(output_tokens / elapsed, 3),
         "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 3),
