@@ -118,7 +118,7 @@ def test_mixed_batch_matches_cpu_path():
 
 @pytest.mark.parametrize("compile_forward", [True, False])
 def test_decode_graphs_match_eager(tiny_llama, compile_forward):
-    """Graph replays (with padding rows) give the eager forward's hidden states."""
+    """Graph replays (with padding rows) give the eager forward's logits."""
     from raypp.config import ModelConfig
     from raypp.engine.step import StepInput
     from raypp.executor.cuda_graphs import DecodeGraphs, capture_sizes
@@ -137,7 +137,8 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward):
     block_size, blocks = 16, 64
     caches = [torch.randn(2, blocks, block_size, mc.num_kv_heads, mc.head_dim, device="cuda")
               for _ in range(mc.num_layers)]
-    graphs = DecodeGraphs(model, caches, is_first=True, max_num_seqs=8, max_blocks_per_seq=8,
+    graphs = DecodeGraphs(model, caches, is_first=True, is_last=True, max_num_seqs=8,
+                          max_blocks_per_seq=8,
                           hidden_size=mc.hidden_size, dtype=torch.float32,
                           device=torch.device("cuda"), compile_forward=compile_forward).capture()
     assert graphs.compile_error is None
@@ -153,15 +154,15 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward):
         assert graphs.can_run(step)
         before = [c.clone() for c in caches]
         with torch.inference_mode():
-            got, _ = graphs.run(step, None)
-            got = got.clone()
+            got = graphs.run(step, None).clone()
             after_graph = [c.clone() for c in caches]
             for c, b in zip(caches, before, strict=True):
                 c.copy_(b)
             meta = _attention_metadata(step, torch.device("cuda"))
             positions = torch.tensor(step.positions, device="cuda")
             ids = torch.tensor(step.input_ids, device="cuda")
-            want, _ = model(positions, meta, caches, input_ids=ids)
+            want = model.compute_logits(model(positions, meta, caches, input_ids=ids)[0])
+        assert got.shape == (n, mc.vocab_size)
         assert _rel(got, want) < 1e-4
         for c, g in zip(caches, after_graph, strict=True):  # padding rows wrote nothing
             torch.testing.assert_close(g, c, rtol=1e-4, atol=1e-4)
@@ -181,16 +182,18 @@ def _hf_greedy(model_dir, prompts, max_tokens, dtype):
     return outs
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, eager):
-    """Greedy fp32 generation on the GPU equals transformers', with and without graphs."""
+@pytest.mark.parametrize("eager,decode_steps", [(False, 1), (True, 1), (False, 8), (True, 5)])
+def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, eager,
+                                          decode_steps):
+    """Greedy fp32 generation on the GPU equals transformers', with and without graphs,
+    one decode step per round trip or several."""
     from raypp import LLM, SamplingParams
 
     monkeypatch.setenv("RAYPP_ENFORCE_EAGER", "1" if eager else "0")
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-              max_num_seqs=4)
+              max_num_seqs=4, num_decode_steps=decode_steps)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         worker = llm.engine.executor.workers[0][0]
@@ -201,3 +204,33 @@ def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, 
     got = [o.outputs[0].token_ids for o in outs]
     assert got == _hf_greedy(str(tiny_llama), prompts, 24, torch.float32)
     assert (replays == -1) if eager else (replays > 0)
+
+
+def test_multi_step_sampling_on_cuda_equals_single_steps(ray_cluster, tiny_llama):
+    """Seeded sampling and logprobs through graph replays: 8 steps per call == 1."""
+    from raypp import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=20,
+                             logprobs=2, ignore_eos=True) for i in range(3)]
+    outs = {}
+    for steps in (1, 8):
+        with LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                 max_num_seqs=4, num_decode_steps=steps) as llm:
+            outs[steps] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(outs[8], outs[1], strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
+def test_chunked_argmax_equals_torch_argmax():
+    from raypp.engine.sampler import argmax
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, vocab in ((1, 128256), (4, 32000), (8, 151936), (3, 1000)):
+        logits = torch.randn(rows, vocab, device="cuda", generator=gen)
+        logits[0, vocab // 3] = logits[0, vocab - 5] = 1e4  # a tie: the first index wins
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+        assert argmax(logits)[0].item() == vocab // 3

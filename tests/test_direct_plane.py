@@ -190,7 +190,7 @@ def test_executor_over_tcp_pipelines_and_matches_transformers(ray_cluster, tiny_
                    for i, ids in enumerate(prompts)]
         outs = [executor.result(h, timeout=30) for h in reversed(handles)][::-1]
         assert [o.step_id for o in outs] == [0, 1]
-        assert [o.token_ids for o in outs] == [hf[:1] for hf in _hf_greedy(tiny_llama, prompts, 1)]
+        assert [o.token_ids for o in outs] == [[hf[:1]] for hf in _hf_greedy(tiny_llama, prompts, 1)]
         assert executor.check_health()
     finally:
         executor.shutdown()

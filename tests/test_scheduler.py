@@ -30,20 +30,27 @@ class FakePipeline:
         self.blocks = blocks
         self.cache: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
 
-    def run(self, batch: MicroBatch) -> list[int]:
+    def run(self, batch: MicroBatch) -> list[list[int]]:
+        """Per sampled row, ``batch.num_steps`` tokens (each step feeds the last one back)."""
         sampled = []
         for item in batch.seqs:
             seq = item.seq
-            start = seq.num_computed_tokens
-            for pos in range(start, start + item.num_tokens):
-                slot = self.blocks.slot(seq, pos)
-                self.cache[slot] = (seq.seq_id, pos, seq.all_token_ids[pos])
-            end = start + item.num_tokens
-            for pos in range(end):  # what attention reads
-                assert self.cache[self.blocks.slot(seq, pos)] == (
-                    seq.seq_id, pos, seq.all_token_ids[pos]), "cache holds another token"
+            tokens = list(seq.all_token_ids)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            out = []
+            for _ in range(batch.num_steps):
+                for pos in range(start, end):
+                    self.cache[self.blocks.slot(seq, pos)] = (seq.seq_id, pos, tokens[pos])
+                for pos in range(end):  # what attention reads
+                    assert self.cache[self.blocks.slot(seq, pos)] == (
+                        seq.seq_id, pos, tokens[pos]), "cache holds another token"
+                if not item.sample:
+                    break
+                out.append(_next_token(tokens[:end]))
+                tokens.append(out[-1])
+                start, end = end, end + 1
             if item.sample:
-                sampled.append(_next_token(seq.all_token_ids[:end]))
+                sampled.append(out)
         return sampled
 
 
@@ -55,10 +62,10 @@ def _expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
-              arrivals):
+              arrivals, decode_steps=1):
     blocks = BlockManager(num_blocks, block_size)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
-                             max_inflight=inflight)
+                             max_inflight=inflight, num_decode_steps=decode_steps)
     sched = Scheduler(config, blocks, max_model_len=10_000)
     pipe = FakePipeline(blocks)
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(max_tokens=m), seed=0)
@@ -75,6 +82,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
                 break
             in_flight = [s.seq.seq_id for b, _ in queue for s in b.seqs]
             assert not set(in_flight) & {s.seq.seq_id for s in batch.seqs}, "seq in two batches"
+            assert batch.num_steps == 1 or all(s.num_tokens == 1 for s in batch.seqs)
             queue.append((batch, pipe.run(batch)))
         _check_blocks(sched, blocks)
         step += 1
@@ -83,11 +91,13 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             continue
         batch, tokens = queue.popleft()
         sched.complete(batch)
-        for seq, token in zip([s.seq for s in batch.seqs if s.sample], tokens):
-            seq.output_token_ids.append(token)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                seq.status = SequenceStatus.FINISHED
-                sched.finish(seq)
+        for seq, row in zip([s.seq for s in batch.seqs if s.sample], tokens):
+            for token in row:
+                seq.output_token_ids.append(token)
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    seq.status = SequenceStatus.FINISHED
+                    sched.finish(seq)
+                    break
         assert step < 20_000, "no progress"
     assert blocks.num_free == num_blocks, "blocks leaked"
     for seq, prompt, m in zip(seqs, prompts, max_tokens):
@@ -112,16 +122,17 @@ def _check_blocks(sched: Scheduler, blocks: BlockManager) -> None:
     max_seqs=st.integers(1, 8),
     step_tokens=st.integers(1, 64),
     spare_blocks=st.integers(0, 20),
+    decode_steps=st.sampled_from([1, 1, 2, 5, 8]),
 )
 def test_scheduler_outputs_are_independent_of_scheduling(data, block_size, inflight, max_seqs,
-                                                         step_tokens, spare_blocks):
+                                                         step_tokens, spare_blocks, decode_steps):
     prompts = [[(7 * i + j) % 50 for j in range(n)] for i, (n, _, _) in enumerate(data)]
     max_tokens = [m for _, m, _ in data]
     arrivals = sorted(a for _, _, a in data)
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // block_size) + spare_blocks
     _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, step_tokens,
-              arrivals)
+              arrivals, decode_steps)
 
 
 def test_tight_budget_preempts_and_still_matches():
@@ -129,6 +140,32 @@ def test_tight_budget_preempts_and_still_matches():
     sched = _simulate(prompts, [20] * 8, num_blocks=8, block_size=4, inflight=2, max_seqs=8,
                       max_tokens_step=64, arrivals=[0] * 8)
     assert sched.num_preemptions > 0
+
+
+def test_decode_horizon_respects_wanted_tokens_model_length_and_free_blocks():
+    def horizon(max_tokens, prompt_len=6, num_blocks=100, max_model_len=10_000, penalty=0.0):
+        blocks = BlockManager(num_blocks, 4)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                                          num_decode_steps=8), blocks, max_model_len)
+        params = [SamplingParams(max_tokens=m, presence_penalty=penalty) for m in max_tokens]
+        for i, p in enumerate(params):
+            sched.add(Sequence(i, str(i), 0, list(range(prompt_len)), p, seed=0))
+        prefill = sched.schedule()
+        assert prefill.num_steps == 1  # prompts are not decode
+        sched.complete(prefill)
+        for item in prefill.seqs:
+            item.seq.output_token_ids.append(1)
+        batch = sched.schedule()
+        for item in batch.seqs:  # blocks cover every step's position
+            assert len(item.seq.block_table) * 4 >= item.seq.num_tokens + batch.num_steps - 1
+        return batch.num_steps
+
+    assert horizon([100, 100]) == 8
+    assert horizon([3, 5]) == 4  # no step past what the longest-running sequence wants
+    assert horizon([100], prompt_len=6, max_model_len=10) == 3  # 7 tokens now; stops at 10
+    assert horizon([100], penalty=0.5) == 1  # penalties need the host between steps
+    # 2 blocks hold the 7 tokens; one spare block makes room for tokens 8..12 only
+    assert horizon([100], num_blocks=3) == 6
 
 
 def test_long_prompt_is_chunked():

@@ -171,14 +171,23 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits. ``max_inflight`` (micro-batches in the pipeline) defaults to pp."""
+    """Batching limits. ``max_inflight`` (micro-batches in the pipeline) defaults to pp.
+
+    ``num_decode_steps`` > 1 lets a micro-batch of pure decode sequences run up to
+    that many decode steps in one round trip to the stage: the stage feeds each
+    sampled token straight back as the next input, on the device. Outputs are
+    identical to single steps (tokens past a stop are dropped); new requests wait
+    at most one such multi-step, and streamed tokens arrive in groups. Needs
+    ``pipeline_parallel_size == 1``; sequences with penalties decode one step at a time.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_inflight: int | None = None
+    num_decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("max_num_seqs", "max_num_batched_tokens"):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps"):
             value = getattr(self, f)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
@@ -206,6 +215,13 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.scheduler.max_inflight is None:
             self.scheduler.max_inflight = self.parallel.pipeline_parallel_size
+        pp = self.parallel.pipeline_parallel_size
+        if self.scheduler.num_decode_steps > 1 and pp > 1:
+            raise ValueError(
+                f"num_decode_steps={self.scheduler.num_decode_steps} needs "
+                f"pipeline_parallel_size=1 (got {pp}): each sampled token must feed the first "
+                "stage again; use num_decode_steps=1 with pipeline parallelism"
+            )
         _check_tp_divisibility(self.model, self.parallel.tensor_parallel_size)
         # Validates the split now, in the caller's process, with a clear error.
         partition_layers(

@@ -10,16 +10,18 @@ In one process, on one GPU, it:
    ``save_pretrained`` in bf16) and a word-level tokenizer covering its vocabulary;
 3. correctness: raypp's greedy tokens against transformers' in fp32 (exact), and
    in bf16 (token agreement, and raypp's top-5 logprobs against transformers'
-   logprobs teacher-forced on raypp's own sequence);
+   logprobs teacher-forced on raypp's own sequence), both through multi-step decode;
 4. raypp through the real engine (Ray, compiled graph, pp=1): decode tokens/s at
-   each batch size, prompt 512, output 256, greedy, prefill phase timed apart;
+   each batch size and each ``num_decode_steps`` in ``DECODE_STEPS``, prompt 512,
+   output 256, greedy, prefill phase timed apart;
 5. the same stage in-process without Ray (``StageWorker``): per-step time split
-   into graph replay, staging, LM head + sampling; eager vs graphs; a PyTorch
-   profiler kernel breakdown;
+   into graph replay (LM head inside), staging, sampling; one step vs 32 steps
+   per call; eager vs graphs; a PyTorch profiler kernel breakdown;
 6. transformers ``generate`` on the same checkpoint and batch sizes: eager (SDPA,
    dynamic cache), then static cache + ``torch.compile`` where time allows;
 7. the roofline: bytes a decode step must read (weights once, plus the KV of
-   every sequence) over the measured copy bandwidth.
+   every sequence) over the measured copy bandwidth;
+8. a GEMV probe: the batch-1 projections with cuBLAS against a Triton GEMV.
 
 Every section runs under a shared time budget and records errors instead of
 stopping; ``results.json`` is rewritten after each. A short table prints last.
@@ -53,6 +55,8 @@ PROMPT_LEN, OUTPUT_LEN = 512, 256
 MAX_MODEL_LEN = 1024
 CHECK_PROMPT_LENS = (7, 64, 200, 512)
 CHECK_TOKENS = 32
+CHECK_DECODE_STEPS = 8  # the correctness runs go through multi-step decode
+DECODE_STEPS = (1, 8, 32)  # engine runs: decode steps per round trip to the stage
 
 
 class Bench:
@@ -170,12 +174,12 @@ def check_prompts() -> list[list[int]]:
 # -- 3/4. raypp through the engine ---------------------------------------------------------
 
 
-def _llm(ckpt: Path, dtype: str, max_num_seqs: int) -> Any:
+def _llm(ckpt: Path, dtype: str, max_num_seqs: int, num_decode_steps: int = 1) -> Any:
     from raypp import LLM
 
     return LLM(str(ckpt), device="cuda", dtype=dtype, max_model_len=MAX_MODEL_LEN,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-               gpu_memory_utilization=0.5)
+               gpu_memory_utilization=0.5, num_decode_steps=num_decode_steps)
 
 
 def _graph_info(llm: Any) -> dict[str, Any] | None:
@@ -198,7 +202,7 @@ def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -
     from raypp import SamplingParams
 
     own = llm is None
-    llm = llm or _llm(ckpt, dtype, 4)
+    llm = llm or _llm(ckpt, dtype, 4, CHECK_DECODE_STEPS)
     try:
         params = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True,
                                 logprobs=logprobs)
@@ -216,11 +220,15 @@ def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -
 
 def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
                        control_plane: str = "cgraph") -> dict[str, Any]:
-    """Decode tokens/s through LLMEngine.step at each batch size."""
+    """Decode tokens/s through LLMEngine.step at each batch size and ``DECODE_STEPS``.
+
+    One engine serves every run; ``num_decode_steps`` is switched between runs
+    (the scheduler reads it at each step).
+    """
     from raypp import SamplingParams
 
     os.environ["RAYPP_CONTROL_PLANE"] = control_plane
-    llm = _llm(ckpt, "bfloat16", max(batches))
+    llm = _llm(ckpt, "bfloat16", max(batches), CHECK_DECODE_STEPS)
     results: dict[str, Any] = {"control_plane": control_plane}
     try:
         engine = llm.engine
@@ -230,12 +238,15 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
         llm.generate(random_prompts(2, 64, 1), warm, use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
         for batch in batches:
-            if bench.left() < 20:
-                results[f"b{batch}"] = "skipped: time"
-                continue
-            prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
-            results[f"b{batch}"] = _engine_run(engine, prompts, params, f"{control_plane}{batch}")
-            log(f"raypp engine ({control_plane}) b={batch}: {results[f'b{batch}']}")
+            for k in DECODE_STEPS:
+                key = f"b{batch}" + ("" if k == 1 else f"_k{k}")
+                if bench.left() < 20:
+                    results[key] = "skipped: time"
+                    continue
+                engine.config.scheduler.num_decode_steps = k
+                prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
+                results[key] = _engine_run(engine, prompts, params, f"{control_plane}{key}")
+                log(f"raypp engine ({control_plane}) {key}: {results[key]}")
         results["graphs"] = _graph_info(llm)
     finally:
         llm.shutdown()
@@ -339,19 +350,26 @@ class StageHarness:
                 rows.append(len(ids) - 1)
             step = self._step(ids, pos, qs, [len(prompts[i]) for i in group],
                               [tables[i] for i in group], slots, rows, 0)
-            firsts += self.worker.execute_step(step).token_ids
+            firsts += [t[0] for t in self.worker.execute_step(step).token_ids]
         return firsts
 
-    def decode_step(self, tokens: list[int], lengths: list[int], index: int) -> Any:
+    def decode_step(self, tokens: list[int], lengths: list[int], index: int,
+                    num_steps: int = 1) -> Any:
         """Step feeding ``tokens`` at positions ``lengths`` (context grows by one)."""
         tables = self.tables(len(tokens))
         n = len(tokens)
         return self._step(tokens, list(lengths), list(range(n + 1)), [c + 1 for c in lengths],
                           tables, [self._slot(t, c) for t, c in zip(tables, lengths, strict=True)],
-                          list(range(n)), index)
+                          list(range(n)), index, num_steps)
+
+    def decode(self, tokens: list[int], lengths: list[int], index: int, num_steps: int = 1
+               ) -> tuple[list[int], list[int]]:
+        """Run ``num_steps`` decode steps in one call: (last tokens, new lengths)."""
+        out = self.worker.execute_step(self.decode_step(tokens, lengths, index, num_steps))
+        return [t[-1] for t in out.token_ids], [c + num_steps for c in lengths]
 
     @staticmethod
-    def _step(ids, pos, qs, seq_lens, tables, slots, rows, index) -> Any:
+    def _step(ids, pos, qs, seq_lens, tables, slots, rows, index, num_steps=1) -> Any:
         from raypp.engine.step import SamplingBatch, StepInput
 
         n = len(rows)
@@ -362,7 +380,7 @@ class StageHarness:
             repetition_penalty=[1.0] * n, prompt_tokens=[[]] * n, output_tokens=[[]] * n)
         return StepInput(step_id=index, input_ids=ids, positions=pos, query_start=qs,
                          seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
-                         sample_rows=rows, sampling=sampling)
+                         sample_rows=rows, sampling=sampling, num_steps=num_steps)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -386,7 +404,12 @@ def stage_bench(ckpt: Path, bench: Bench, weight_bytes: int, bw: float) -> dict[
     return res
 
 
+MULTI_STEPS = 32  # decode steps per call in the stage's multi-step timing
+
+
 def _stage_batch(h: StageHarness, batch: int, weight_bytes: int, bw: float) -> dict[str, Any]:
+    from raypp.engine.sampler import sample
+
     w = h.worker
     prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
     tokens = h.prefill(prompts)
@@ -394,42 +417,48 @@ def _stage_batch(h: StageHarness, batch: int, weight_bytes: int, bw: float) -> d
     steps = 64
     walls = []
     torch.cuda.synchronize()
-    for i in range(steps):  # full stage steps: staging, replay, LM head, sampling, tolist
-        step = h.decode_step(tokens, lengths, i + 1)
+    for i in range(steps):  # full stage steps: staging, replay (LM head inside), sampling, tolist
         t = time.perf_counter()
-        tokens = w.execute_step(step).token_ids
+        tokens, lengths = h.decode(tokens, lengths, i + 1)
         walls.append(time.perf_counter() - t)
-        lengths = [c + 1 for c in lengths]
-    step = h.decode_step(tokens, lengths, steps + 1)
+    ctx = lengths[0]  # the roofline's context: where the timed steps ended
+    tokens, lengths = h.decode(tokens, lengths, steps + 1, MULTI_STEPS)  # warm
+    t = time.perf_counter()
+    tokens, lengths = h.decode(tokens, lengths, steps + 1 + MULTI_STEPS, MULTI_STEPS)
+    multi = (time.perf_counter() - t) / MULTI_STEPS
+    step = h.decode_step(tokens, lengths, steps + 1 + 2 * MULTI_STEPS)
     graphs = w.decode_graphs
     g = graphs.graph_size(batch)
     with torch.inference_mode():
         fwd = _time_cuda(lambda: graphs.run(step, None), 20)  # staging copies + replay
         replay = _time_cuda(graphs._graphs[g].replay, 20)
-        hidden = graphs.run(step, None)[0]
-        head = _time_cuda(lambda: w._sample(step, hidden), 20)
+        logits = graphs.run(step, None)
+        sampling = _time_cuda(lambda: sample(logits, step.sampling), 20)
         graphs_off, w.decode_graphs = w.decode_graphs, None
         try:
-            eager = _time_cuda(lambda: w._forward(step, None), 10)
+            eager = _time_cuda(lambda: w._logits(step, None), 10)
         finally:
             w.decode_graphs = graphs_off
     walls.sort()
     wall = walls[len(walls) // 2]
-    ctx = PROMPT_LEN + steps  # context at the timed steps (median)
     kv_bytes = batch * ctx * _kv_bytes_per_token(w)
     roof = (weight_bytes + kv_bytes) / (bw * 1e9)
     return {
         "step_ms": round(1e3 * wall, 3),
         "tok_s": round(batch / wall, 1),
-        "graph_replay_ms": round(1e3 * replay, 3),
+        f"multi_step_{MULTI_STEPS}_ms_per_step": round(1e3 * multi, 3),
+        f"multi_step_{MULTI_STEPS}_tok_s": round(batch / multi, 1),
+        "graph_replay_with_lm_head_ms": round(1e3 * replay, 3),
         "forward_ms(staging+replay)": round(1e3 * fwd, 3),
-        "lm_head_sample_ms": round(1e3 * head, 3),
-        "eager_forward_ms": round(1e3 * eager, 3),
+        "sample_ms": round(1e3 * sampling, 3),
+        "eager_forward_and_head_ms": round(1e3 * eager, 3),
         "padded_to": g,
+        "context": ctx,
         "bytes_per_step": weight_bytes + kv_bytes,
         "roofline_ms": round(1e3 * roof, 3),
         "roofline_fraction_step": round(roof / wall, 3),
-        "roofline_fraction_replay+head": round(roof / (replay + head), 3),
+        "roofline_fraction_multi_step": round(roof / multi, 3),
+        "roofline_fraction_replay": round(roof / replay, 3),
     }
 
 
@@ -463,34 +492,25 @@ def _categorize(name: str) -> str:
 
 
 def _profiles(h: StageHarness, bench: Bench) -> dict[str, Any]:
+    """Kernel time per decode step: one step per call, and 16 steps per call."""
     from torch.profiler import ProfilerActivity, profile
 
-    w = h.worker
     out: dict[str, Any] = {}
-    for batch, eager in ((1, False), (64, False), (1, True)):
+    for batch, k in ((1, 1), (1, 16), (64, 16), (64, 1)):
         if bench.left() < 20:
             break
-        tag = f"b{batch}_{'eager' if eager else 'graphs'}"
-        prompts = random_prompts(batch, PROMPT_LEN, 500 + batch)
-        tokens = h.prefill(prompts)
+        tag = f"b{batch}_k{k}"
+        tokens = h.prefill(random_prompts(batch, PROMPT_LEN, 500 + batch))
         lengths = [PROMPT_LEN] * batch
-        graphs = w.decode_graphs
-        if eager:
-            w.decode_graphs = None
-        try:
-            for i in range(3):  # warm
-                tokens = w.execute_step(h.decode_step(tokens, lengths, i + 1)).token_ids
-                lengths = [c + 1 for c in lengths]
-            steps = 10
+        for i in range(2):  # warm
+            tokens, lengths = h.decode(tokens, lengths, 1 + i * k, k)
+        calls = max(1, 32 // k)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                tokens, lengths = h.decode(tokens, lengths, (2 + i) * k + 1, k)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for i in range(steps):
-                    tokens = w.execute_step(h.decode_step(tokens, lengths, i + 4)).token_ids
-                    lengths = [c + 1 for c in lengths]
-                torch.cuda.synchronize()
-        finally:
-            w.decode_graphs = graphs
-        out[tag] = _kernel_summary(prof, steps)
+        out[tag] = _kernel_summary(prof, calls * k)
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40,
                                           max_name_column_width=90)
         (bench.out / f"profile_{tag}.txt").write_text(table)
@@ -666,6 +686,81 @@ def _hf_generate(model: Any, prompts: list[list[int]], n: int, kw: dict) -> Any:
                           min_new_tokens=n, do_sample=False, pad_token_id=2, **kw)
 
 
+# -- 8. GEMV probe -----------------------------------------------------------------------------
+
+GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+               "down": (2048, 8192), "lm_head": (128256, 2048)}
+GEMV_CONFIGS = [(bn, bk, nw) for bn in (4, 8, 16) for bk in (256, 512, 1024) for nw in (2, 4, 8)]
+
+
+def gemv_probe(bench: Bench, bw: float) -> dict[str, Any]:
+    """Batch-1 projections of the 1B shape: cuBLAS (``F.linear``) vs the Triton GEMV.
+
+    Each variant runs 24 times inside one CUDA graph (as in a decode replay), over
+    distinct weight copies totalling >= 512 MB so no read hits the L2 cache.
+    """
+    out: dict[str, Any] = {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        if bench.left() < 15:
+            out[name] = "skipped: time"
+            continue
+        out[name] = _probe_shape(n, k, bw)
+        log(f"gemv {name}: {out[name].get('cublas_us')} us cuBLAS vs "
+            f"{out[name].get('triton_best_us')} us Triton ({out[name].get('triton_best_config')})")
+        torch.cuda.empty_cache()
+    return out
+
+
+def _probe_shape(n: int, k: int, bw: float) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from raypp.model.triton_gemv import gemv
+
+    copies = max(2, -(-(512 << 20) // (2 * n * k)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), ws[0].float())
+
+    def graphed(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        fn(ws[0])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(24):
+                fn(ws[i % len(ws)])
+        return _time_cuda(graph.replay, 10) / 24
+
+    res: dict[str, Any] = {"bytes": 2 * n * k}
+    t = graphed(lambda w: F.linear(x, w))
+    res["cublas_us"] = round(1e6 * t, 2)
+    res["cublas_TBps"] = round(2 * n * k / t / 1e12, 2)
+    best = None
+    for bn, bk, nw in GEMV_CONFIGS:
+        tag = f"{bn}x{bk}w{nw}"
+        try:
+            err = _rel_err(gemv(x, ws[0], bn, bk, nw).float(), ref)
+            if err > 1e-2:
+                res[tag] = f"wrong: rel err {err:.3g}"
+                continue
+            t = graphed(lambda w, bn=bn, bk=bk, nw=nw: gemv(x, w, bn, bk, nw))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile
+            res[tag] = type(e).__name__
+            continue
+        if best is None or t < best[0]:
+            best = (t, tag)
+    if best:
+        res["triton_best_us"] = round(1e6 * best[0], 2)
+        res["triton_best_TBps"] = round(2 * n * k / best[0] / 1e12, 2)
+        res["triton_best_config"] = best[1]
+        res["speedup_vs_cublas"] = round(res["cublas_us"] / res["triton_best_us"], 3)
+    res["ideal_us_at_copy_bw"] = round(1e6 * 2 * n * k / (bw * 1e9), 2)
+    return res
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 # -- the table --------------------------------------------------------------------------------
 
 
@@ -676,35 +771,35 @@ def summary(r: dict[str, Any]) -> str:
                  f"read {bw.get('read_GBps', 0):.0f} GB/s")
     eng, stage = r.get("raypp_engine") or {}, r.get("raypp_stage") or {}
     hfe, hfs = r.get("hf_eager") or {}, r.get("hf_static_compile") or {}
-    direct = r.get("raypp_engine_direct") or {}
 
-    def get(d: dict, b: int, key: str) -> str:
-        v = d.get(f"b{b}")
-        return f"{v[key]:.0f}" if isinstance(v, dict) and key in v else "-"
+    def get(d: dict, key: str, field: str) -> float | None:
+        v = d.get(key)
+        return float(v[field]) if isinstance(v, dict) and field in v else None
 
-    lines.append("decode tok/s   batch | raypp engine | raypp direct | raypp stage | HF eager | "
-                 "HF static+compile | engine/HF best | roofline tok/s")
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    engines = [f"engine k={k}" for k in DECODE_STEPS]
+    lines.append("decode tok/s batch | " + " | ".join(engines) + " | stage k=1 | stage k="
+                 f"{MULTI_STEPS} | HF eager | HF static+compile | best engine/HF best | roofline")
     for b in BATCHES:
-        best = max([float(x) for x in (get(hfe, b, "decode_tok_s"), get(hfs, b, "decode_tok_s"))
-                    if x != "-"] or [0])
-        e = get(eng, b, "decode_tok_s")
-        ratio = f"{float(e) / best:.1f}x" if e != "-" and best else "-"
-        sb = stage.get(f"b{b}") or {}
-        roof = f"{b / (sb['roofline_ms'] / 1e3):.0f}" if isinstance(sb, dict) and \
-            "roofline_ms" in sb else "-"
-        lines.append(f"{b:>20} | {e:>12} | {get(direct, b, 'decode_tok_s'):>12} | "
-                     f"{get(stage, b, 'tok_s'):>11} | {get(hfe, b, 'decode_tok_s'):>8} | "
-                     f"{get(hfs, b, 'decode_tok_s'):>17} | {ratio:>14} | {roof:>14}")
-    sb1 = stage.get("b1") if isinstance(stage.get("b1"), dict) else None
-    e1 = eng.get("b1") if isinstance(eng.get("b1"), dict) else None
-    if sb1:
-        lines.append(f"batch 1 roofline {sb1['roofline_ms']:.3f} ms/step; stage step "
-                     f"{sb1['step_ms']:.3f} ms ({100 * sb1['roofline_fraction_step']:.0f}%), "
-                     f"graph replay + head {sb1['graph_replay_ms'] + sb1['lm_head_sample_ms']:.3f}"
-                     f" ms ({100 * sb1['roofline_fraction_replay+head']:.0f}%)")
-        if e1:
-            lines.append(f"batch 1 engine step {e1['decode_step_ms']:.3f} ms "
-                         f"({100 * sb1['roofline_ms'] / e1['decode_step_ms']:.0f}% of roofline)")
+        hf_best = max([x for x in (get(hfe, f"b{b}", "decode_tok_s"),
+                                   get(hfs, f"b{b}", "decode_tok_s")) if x] or [0.0])
+        runs = [get(eng, f"b{b}" + ("" if k == 1 else f"_k{k}"), "decode_tok_s")
+                for k in DECODE_STEPS]
+        best = max([x for x in runs if x] or [0.0])
+        ratio = f"{best / hf_best:.1f}x" if best and hf_best else "-"
+        roof = get(stage, f"b{b}", "roofline_ms")
+        lines.append(f"{b:>18} | " + " | ".join(f"{fmt(x):>{len(e)}}" for x, e in zip(runs, engines))
+                     + f" | {fmt(get(stage, f'b{b}', 'tok_s')):>9} | "
+                     f"{fmt(get(stage, f'b{b}', f'multi_step_{MULTI_STEPS}_tok_s')):>10} | "
+                     f"{fmt(get(hfe, f'b{b}', 'decode_tok_s')):>8} | "
+                     f"{fmt(get(hfs, f'b{b}', 'decode_tok_s')):>17} | {ratio:>19} | "
+                     f"{fmt(b / roof * 1e3 if roof else None):>8}")
+        if b == 1 and roof:
+            fastest = max((x for x in runs if x), default=None)
+            lines.append(f"batch 1: roofline {roof:.3f} ms/step; best engine "
+                         f"{100 * fastest * roof / 1e3:.0f}% of it" if fastest else "")
     c = r.get("correctness") or {}
     if c:
         lines.append(f"fp32 greedy == HF: {c.get('fp32_greedy_equal')}; bf16 agreement "
@@ -762,14 +857,8 @@ def main() -> None:
     fp32 = bench.section("raypp_fp32_check", lambda: raypp_check(ckpt, "float32", None), 60)
     r["raypp_check_tokens"] = {"fp32": fp32, "bf16": bf16}
     r["correctness"] = bench.section("correctness", lambda: correctness(ckpt, fp32, bf16), 30)
+    r["gemv_probe"] = bench.section("gemv_probe", lambda: gemv_probe(bench, bw), 30)
     r["hf_eager"] = bench.section("hf_eager", lambda: hf_bench(ckpt, bench, False), 40)
-    try:
-        import zmq  # noqa: F401 - the direct control plane needs it
-
-        r["raypp_engine_direct"] = bench.section("raypp_engine_direct", lambda: raypp_engine_bench(
-            ckpt, (1, 64), bench, "direct"), 60)
-    except ImportError:
-        r["skipped"].append("raypp_engine_direct: pyzmq not installed")
     r["wall_s"] = round(time.perf_counter() - bench.t0, 1)
     bench.save()
     text = summary(r)

@@ -194,8 +194,7 @@ class LLMEngine:
         outputs = self._postprocess(item.batch, result)
         stats = self.stats
         stats.steps += 1
-        stats.tokens_processed += item.step.num_tokens
-        stats.tokens_generated += len(result.token_ids)
+        stats.tokens_processed += item.step.num_tokens * item.step.num_steps
         stats.step_time_s += got - waited
         stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
@@ -297,31 +296,68 @@ class LLMEngine:
             slot_mapping=slots,
             sample_rows=rows,
             sampling=_sampling_batch(sampled) if sampled else None,
+            num_steps=batch.num_steps,
             trace=self.trace_steps,
         )
 
     def _postprocess(self, batch: MicroBatch, result: StepOutput) -> list[RequestOutput]:
+        """Append each sequence's sampled tokens in order, up to its first stop.
+
+        Tokens a multi-step decode sampled past a sequence's stop are dropped.
+        Without stop strings the tokens alone say where a sequence stops, so all
+        of a step's tokens are detokenized in one batched call; sequences with stop
+        strings are detokenized after every token.
+        """
         self.scheduler.complete(batch)
         sampled = [item.seq for item in batch.seqs if item.sample]
         assert len(sampled) == len(result.token_ids), (len(sampled), len(result.token_ids))
         logprobs = result.logprobs or [None] * len(sampled)
-        live = []
-        for seq, token, row_logprobs in zip(sampled, result.token_ids, logprobs):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while in flight
-            seq.output_token_ids.append(token)
-            if seq.logprobs is not None and row_logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(token, row_logprobs))
-            live.append(seq)
-        detokenizer.append_text(self.tokenizer, live)
-        touched: dict[str, Request] = {}
-        now = time.monotonic()
-        for seq in live:
-            self._check_stop(seq, seq.output_token_ids[-1])
+        rows = [(seq, tokens, row_logprobs)
+                for seq, tokens, row_logprobs in zip(sampled, result.token_ids, logprobs)
+                if seq.status is SequenceStatus.RUNNING]  # others were aborted in flight
+        by_tokens = [row for row in rows if not row[0].params.stop_strings]
+        for seq, tokens, row_logprobs in by_tokens:
+            for j, token in enumerate(tokens):
+                self._append_token(seq, token, row_logprobs[j] if row_logprobs else None)
+                if seq.finished:
+                    break
+        self._detokenize([row[0] for row in by_tokens])
+        by_text = [row for row in rows if row[0].params.stop_strings]
+        for j in range(batch.num_steps if by_text else 0):
+            live = [row for row in by_text if row[0].status is SequenceStatus.RUNNING]
+            for seq, tokens, row_logprobs in live:
+                self._append_token(seq, tokens[j], row_logprobs[j] if row_logprobs else None,
+                                   check_text=True)
+            self._detokenize([row[0] for row in live])
+        return self._outputs_of([row[0] for row in rows])
+
+    def _append_token(self, seq: Sequence, token: int, row_logprobs: RowLogprobs | None,
+                      check_text: bool = False) -> None:
+        """Append one sampled token and apply the stop conditions that need no text."""
+        seq.output_token_ids.append(token)
+        self.stats.tokens_generated += 1
+        if seq.logprobs is not None and row_logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(token, row_logprobs))
+        if not check_text:
+            self._check_stop(seq, token)
+
+    def _detokenize(self, seqs: list[Sequence]) -> None:
+        """Extend the sequences' text; apply stop strings; release finished sequences."""
+        if not seqs:
+            return
+        detokenizer.append_text(self.tokenizer, seqs)
+        for seq in seqs:
+            if not seq.finished and seq.params.stop_strings:
+                self._check_stop(seq, seq.output_token_ids[-1])
             if seq.finished:
                 if not isinstance(seq.stop_reason, str):  # not cut at a stop string
                     detokenizer.flush(self.tokenizer, seq)
                 self.scheduler.finish(seq)
+
+    def _outputs_of(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for seq in seqs:
             request = self.requests.get(seq.request_id)
             if request is not None:
                 if request.first_token_time is None:

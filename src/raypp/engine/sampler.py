@@ -9,6 +9,8 @@ or the device. Sampling uses the exponential race (``argmax p / E`` with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from raypp.engine.step import RowLogprobs, SamplingBatch
@@ -68,54 +70,107 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+@dataclass
+class SamplingTensors:
+    """A :class:`SamplingBatch` on the device, built once per step (one host copy)."""
+
+    temperature: torch.Tensor  # [rows] float32
+    top_k: torch.Tensor  # [rows] int64
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor  # [rows] int64
+    output_index: torch.Tensor  # [rows] int64
+    all_greedy: bool  # known on the host, so no device sync decides the path
+    num_logprobs: list[int]  # -1: none
+
+    @classmethod
+    def build(cls, batch: SamplingBatch, device: torch.device) -> SamplingTensors:
+        floats = torch.tensor([batch.temperature, batch.top_p, batch.min_p], dtype=torch.float32)
+        ints = torch.tensor([batch.top_k, batch.seeds, batch.output_index], dtype=torch.int64)
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
+                   all(t == 0 for t in batch.temperature), batch.num_logprobs)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(n >= 0 for n in self.num_logprobs)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first index of the maximum), faster for few rows on a GPU.
+
+    One row's argmax over a large vocabulary runs as a single thread block; split
+    into chunks it spreads over the device (first maximal chunk, then its first
+    maximal entry: the same index).
+    """
+    rows, vocab = logits.shape
+    chunk = next((c for c in (512, 256, 128) if vocab % c == 0), 0)
+    if not logits.is_cuda or rows > 8 or not chunk:
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // chunk, chunk)
+    inner = chunks.argmax(dim=-1)  # [rows, chunks]
+    best = chunks.gather(2, inner[:, :, None])[:, :, 0].argmax(dim=-1)  # [rows]
+    return best * chunk + inner.gather(1, best[:, None])[:, 0]
+
+
+def sample_tokens(logits: torch.Tensor, t: SamplingTensors, offset: int = 0) -> torch.Tensor:
+    """``[rows]`` int64 sampled ids, on the device (no host sync).
+
+    ``offset`` advances each row's RNG counter: the ``offset``-th token after the
+    one ``t.output_index`` names (multi-step decode).
+    """
+    tokens = argmax(logits)
+    if t.all_greedy:
+        return tokens
+    greedy = t.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
+    probs = _filter(scaled, t.top_k, t.top_p, t.min_p).softmax(dim=-1)
+    noise = uniform_noise(t.seeds, t.output_index + offset, logits.shape[1])
+    race = probs / (-torch.log(noise))
+    return torch.where(greedy, tokens, argmax(race))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[RowLogprobs | None]]:
     """Sampled token per row, and logprobs (of the raw model distribution) where asked."""
     # logits: [rows, vocab] float32
-    device = logits.device
-    raw_logprobs = _logprobs_if_needed(logits, batch)
+    t = SamplingTensors.build(batch, logits.device)
+    stats = logprob_stats(logits, t)
     if batch.any_penalties:
         logits = apply_penalties(logits.clone(), batch)
-    temperature = torch.tensor(batch.temperature, dtype=torch.float32, device=device)
-    greedy = temperature == 0
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-        scaled = _filter(
-            scaled,
-            torch.tensor(batch.top_k, dtype=torch.int64, device=device),
-            torch.tensor(batch.top_p, dtype=torch.float32, device=device),
-            torch.tensor(batch.min_p, dtype=torch.float32, device=device),
-        )
-        probs = scaled.softmax(dim=-1)
-        noise = uniform_noise(
-            torch.tensor(batch.seeds, dtype=torch.int64, device=device),
-            torch.tensor(batch.output_index, dtype=torch.int64, device=device),
-            logits.shape[1],
-        )
-        race = probs / (-torch.log(noise))
-        tokens = torch.where(greedy, tokens, race.argmax(dim=-1))
-    token_list = tokens.tolist()
-    return token_list, _gather_logprobs(raw_logprobs, token_list, batch)
+    tokens = sample_tokens(logits, t)
+    if stats is None:
+        return tokens.tolist(), [None] * len(batch.temperature)
+    return tokens.tolist(), row_logprobs(*sampled_logprobs(stats, tokens), t.num_logprobs)
 
 
-def _logprobs_if_needed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-    if all(n < 0 for n in batch.num_logprobs):
+LogprobStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def logprob_stats(logits: torch.Tensor, t: SamplingTensors) -> LogprobStats | None:
+    """``(log_softmax, top values, top ids)`` on the device, or ``None`` if no row asks."""
+    if not t.wants_logprobs:
         return None
-    return torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_vals, top_ids = logprobs.topk(max(max(t.num_logprobs), 1), dim=-1)
+    return logprobs, top_vals, top_ids
 
 
-def _gather_logprobs(logprobs: torch.Tensor | None, tokens: list[int],
-                     batch: SamplingBatch) -> list[RowLogprobs | None]:
-    if logprobs is None:
-        return [None] * len(tokens)
-    out: list[RowLogprobs | None] = []
-    max_n = max(batch.num_logprobs)
-    top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
-    sampled = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]
+def sampled_logprobs(stats: LogprobStats, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Device tensors ``(top values, top ids, sampled logprob, sampled rank)``: what
+    :func:`row_logprobs` needs of one step."""
+    logprobs, top_vals, top_ids = stats
+    sampled = logprobs.gather(1, tokens[:, None])[:, 0]
     ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
+    return top_vals, top_ids, sampled, ranks
+
+
+def row_logprobs(top_vals: torch.Tensor, top_ids: torch.Tensor, sampled: torch.Tensor,
+                 ranks: torch.Tensor, num_logprobs: list[int]) -> list[RowLogprobs | None]:
+    """Per row: :class:`RowLogprobs` with its top ``n`` (``None`` where ``n < 0``)."""
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     sampled, ranks = sampled.tolist(), ranks.tolist()
-    for row, n in enumerate(batch.num_logprobs):
+    out: list[RowLogprobs | None] = []
+    for row, n in enumerate(num_logprobs):
         if n < 0:
             out.append(None)
             continue

@@ -29,6 +29,8 @@ class ScheduledSeq:
 @dataclass
 class MicroBatch:
     seqs: list[ScheduledSeq]
+    # decode steps run back to back (> 1 only when every sequence is decoding)
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +106,31 @@ class Scheduler:
             return None
         for item in chosen:
             item.seq.in_flight = True
-        return MicroBatch(chosen)
+        return MicroBatch(chosen, self._decode_horizon(chosen))
+
+    def _decode_horizon(self, chosen: list[ScheduledSeq]) -> int:
+        """Decode steps ``chosen`` may run in one go, with cache blocks reserved for all.
+
+        1 unless every sequence feeds exactly its last token and samples without
+        penalties (those need the previous step's tokens on the host). No more
+        steps than any sequence could use, none past ``max_model_len``, and
+        fewer when free blocks run short (no preemption for look-ahead).
+        """
+        limit = self.config.num_decode_steps
+        if limit == 1 or any(item.num_tokens != 1 or not item.sample
+                             or item.seq.params.uses_penalties for item in chosen):
+            return 1
+        seqs = [item.seq for item in chosen]
+        wanted = max(limit if s.params.max_tokens is None
+                     else s.params.max_tokens - len(s.output_token_ids) for s in seqs)
+        room = min(self.max_model_len - s.num_tokens for s in seqs)
+        steps = max(1, min(limit, wanted, room))
+        while steps > 1 and (sum(self.blocks.blocks_needed(s, s.num_tokens + steps - 1) for s in seqs)
+                             > self.blocks.num_free):
+            steps -= 1
+        for seq in seqs:
+            self.blocks.allocate(seq, seq.num_tokens + steps - 1)
+        return steps
 
     @staticmethod
     def _chunk(seq: Sequence, token_budget: int) -> int:
@@ -147,8 +173,12 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------
     def complete(self, batch: MicroBatch) -> None:
-        """Mark a micro-batch's tokens as computed (before appending sampled tokens)."""
+        """Mark a micro-batch's tokens as computed (before appending sampled tokens).
+
+        After ``k`` decode steps a sequence's input token and the first ``k - 1``
+        sampled ones are in the cache; the last sampled one is not.
+        """
         for item in batch.seqs:
             item.seq.in_flight = False
             if item.seq.status is SequenceStatus.RUNNING:
-                item.seq.num_computed_tokens += item.num_tokens
+                item.seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1

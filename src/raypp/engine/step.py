@@ -5,6 +5,7 @@ ids and positions, where those tokens go in the paged cache, and how to sample
 the rows that end a sequence's query. It holds plain Python lists, so it pickles
 small and never aliases a channel buffer. The last stage answers with a
 :class:`StepOutput` of sampled ids (and logprobs when asked), again plain lists.
+A pure decode micro-batch may ask for several decode steps at once (``num_steps``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class StepInput:
     slot_mapping: list[int]
     sample_rows: list[int]  # flat token indices whose next token is sampled
     sampling: SamplingBatch | None
+    # decode steps to run back to back (> 1 only for pure decode on a one-stage pipeline):
+    # the stage feeds each sampled token back as the next input on the device
+    num_steps: int = 1
     # test-only tracing: stages record compute intervals when set
     trace: bool = False
 
@@ -75,8 +79,12 @@ class RowLogprobs:
 
 @dataclass
 class StepOutput:
-    """What the last stage returns: one sampled id per sampled row."""
+    """What the last stage returns: per sampled row, its ``num_steps`` sampled ids.
+
+    ``logprobs`` is empty or has one entry per row: ``None`` where not asked for,
+    else one :class:`RowLogprobs` per sampled id.
+    """
 
     step_id: int
-    token_ids: list[int]
-    logprobs: list[RowLogprobs | None] = field(default_factory=list)
+    token_ids: list[list[int]]
+    logprobs: list[list[RowLogprobs] | None] = field(default_factory=list)

@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-inflight", type=int, default=None,
                         help="micro-batches in the pipeline at once (default: pp)")
+    parser.add_argument("--num-decode-steps", type=int, default=None,
+                        help="decode steps per round trip to the stage for pure decode "
+                             "batches (pp=1 only; default 1)")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per stage on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -53,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_inflight": args.max_inflight,
+        "num_decode_steps": args.num_decode_steps,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }

@@ -5,6 +5,7 @@ graph of the smallest captured size ``g >= n``. Rows ``n..g`` are padding: slot
 ``-1`` (no cache write), context length 0 (zero attention output), token 0 at
 position 0; their outputs are computed and dropped (rows never mix in decode).
 Steps that are not pure decode, or larger than the largest size, run eagerly.
+On the last stage the graph ends with the LM head: it outputs every row's logits.
 
 The captured forward is ``torch.compile``-d first (unless ``compile=False``):
 Inductor fuses the many small element-wise kernels of a layer (RMSNorm, rotary,
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from raypp.engine.step import StepInput
+from raypp.executor.decode_loop import DecodeInputs
 from raypp.model.layers import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -98,19 +100,20 @@ class DecodeGraphs:
     """Captured decode graphs of one stage's model, and the step → replay path."""
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], *, is_first: bool,
-                 max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
+                 is_last: bool, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None,
                  compile_forward: bool = True):
         self.model = model
         self.kv_caches = kv_caches
-        self.is_first = is_first
+        self.is_first, self.is_last = is_first, is_last
         self.sizes = sorted(sizes or capture_sizes(max_num_seqs))
         self.max_size = self.sizes[-1]
         self.buffers = StaticBuffers.allocate(self.max_size, max_blocks_per_seq, hidden_size,
                                               dtype, device, is_first)
         self._host = self.buffers.host.numpy()  # writes here land in the pinned buffer
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._outputs: dict[int, Any] = {}  # logits (last stage) or (hidden, residual)
+        self._loaded = (0, 0)  # (graph size, rows) of the inputs now in the buffers
         self._copied: torch.cuda.Event | None = None
         self._compiled = torch.compile(decode_forward, fullgraph=True) if compile_forward else None
         self.compiled_sizes: list[int] = []  # sizes whose graph holds the compiled forward
@@ -160,7 +163,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._outputs[g] = forward(*self._args(g))
+                out = forward(*self._args(g))
+                self._outputs[g] = self.model.compute_logits(out[0]) if self.is_last else out
             self._graphs[g] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
@@ -180,13 +184,18 @@ class DecodeGraphs:
     def graph_size(self, n: int) -> int:
         return next(g for g in self.sizes if g >= n)
 
-    def run(self, step: StepInput, inputs: dict[str, torch.Tensor] | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stage's forward for ``step`` (``can_run`` must hold): ``(hidden, residual)``.
+    def run(self, step: StepInput, inputs: dict[str, torch.Tensor] | None) -> Any:
+        """The stage's forward for ``step`` (``can_run`` must hold).
 
-        On a last stage the returned hidden states are a view of the graph's
-        output, valid until the next ``run``; otherwise they are copies.
+        A last stage returns every row's logits ``[rows, vocab]``, a view valid
+        until the next replay; other stages return copies of ``(hidden, residual)``.
         """
+        self.load(step, inputs)
+        out = self.replay()
+        return out if self.is_last else (out[0].clone(), out[1].clone())
+
+    def load(self, step: StepInput, inputs: dict[str, torch.Tensor] | None = None) -> DecodeInputs:
+        """Stage ``step``'s inputs; returns views of the buffers the graph reads."""
         n = step.num_seqs
         g = self.graph_size(n)
         self._stage_inputs(step, g)
@@ -195,12 +204,17 @@ class DecodeGraphs:
             assert inputs is not None
             b.hidden_states[:n].copy_(inputs["hidden_states"])
             b.residual[:n].copy_(inputs["residual"])
+        self._loaded = (g, n)
+        return DecodeInputs(b.input_ids[:n], b.positions[:n], b.slot_mapping[:n], b.seq_lens[:n],
+                            b.block_tables[:n])
+
+    def replay(self) -> Any:
+        """Replay on the buffers as they are now: the loaded rows' outputs (views)."""
+        g, n = self._loaded
         self._graphs[g].replay()
         self.replays += 1
-        hidden, residual = self._outputs[g]
-        if residual is None:
-            return hidden[:n], None
-        return hidden[:n].clone(), residual[:n].clone()  # the next replay overwrites them
+        out = self._outputs[g]
+        return out[:n] if self.is_last else (out[0][:n], out[1][:n])
 
     def _stage_inputs(self, step: StepInput, g: int) -> None:
         # host: [ids | positions | slots | lens] (max_rows each) + tables [max_rows, width]

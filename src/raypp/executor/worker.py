@@ -19,9 +19,10 @@ from raypp import envs
 from raypp.config import EngineConfig, partition_layers
 from raypp.distributed import parallel_state, ray_compat
 from raypp.distributed.parallel_state import RankLayout
-from raypp.engine.sampler import sample
+from raypp.engine.sampler import SamplingTensors, sample
 from raypp.engine.step import StepInput, StepOutput
 from raypp.executor.cuda_graphs import DecodeGraphs
+from raypp.executor.decode_loop import DecodeInputs, run_decode_steps
 from raypp.executor.errors import StageError
 from raypp.executor.faults import FaultInjector
 from raypp.model.layers import AttentionMetadata, TPContext
@@ -51,6 +52,7 @@ class StageWorker:
             torch.set_num_threads(threads)
         ray_compat.apply(on_cpu=self.device.type == "cpu")
         self.model: Any = None
+        self.decode_graphs: DecodeGraphs | None = None  # captured in init_kv_cache (CUDA)
         self.kv_caches: list[torch.Tensor] = []
         self.timeline: list[tuple[int, float, float]] = []
         self._fault = FaultInjector.from_env(pp_rank)
@@ -72,7 +74,6 @@ class StageWorker:
     def load_model(self) -> dict[str, Any]:
         """Build only this stage's layers on the device and load their weights."""
         mc = self.config.model
-        self.decode_graphs: DecodeGraphs | None = None  # captured in init_kv_cache (CUDA)
         bounds = partition_layers(mc.num_layers, self.layout.pp_size,
                                   self.config.parallel.layer_partition)
         start, end = bounds[self.pp_rank]
@@ -124,6 +125,7 @@ class StageWorker:
         if self.device.type == "cuda" and not envs.RAYPP_ENFORCE_EAGER:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, is_first=self.stage.is_first,
+                is_last=self.stage.is_last,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
                 hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
@@ -142,12 +144,14 @@ class StageWorker:
         started = time.time()
         try:
             self._fault.before_step(step.step_id)
-            hidden, residual = self._forward(step, inputs)
             if not self.stage.is_last:
+                hidden, residual = self._forward(step, inputs)
                 # one tensor, so each hop is one transfer: [2, tokens, hidden]
                 out: Any = (step, {"hidden_and_residual": torch.stack((hidden, residual))})
+            elif step.num_steps > 1:
+                out = self._decode_steps(step)
             else:
-                out = self._sample(step, hidden)
+                out = self._sample(step, self._logits(step, inputs))
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
             raise StageError(f"stage {self.pp_rank} (tp rank {self.tp_rank}) failed at step "
                              f"{step.step_id}: {type(e).__name__}: {e}") from e
@@ -156,9 +160,13 @@ class StageWorker:
         return out
 
     def _forward(self, step: StepInput, inputs: Intermediate | None):
-        graphs = getattr(self, "decode_graphs", None)
+        """``(hidden, residual)`` of every token of ``step`` on a stage that is not last."""
+        graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step):  # CUDA decode: replay a captured graph
             return graphs.run(step, inputs)
+        return self._eager_forward(step, inputs)
+
+    def _eager_forward(self, step: StepInput, inputs: Intermediate | None):
         dev = self.device
         positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
         meta = _attention_metadata(step, dev)
@@ -170,12 +178,45 @@ class StageWorker:
                           hidden_states=inputs["hidden_and_residual"][0],
                           residual=inputs["hidden_and_residual"][1])
 
-    def _sample(self, step: StepInput, hidden: torch.Tensor) -> StepOutput:
-        if not step.sample_rows:
+    def _logits(self, step: StepInput, inputs: Intermediate | None) -> torch.Tensor | None:
+        """Run the last stage on ``step``: logits of its sampled rows (``None`` if none)."""
+        rows = step.sample_rows
+        picked = torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(step):
+            logits = graphs.run(step, inputs)  # every row's, computed inside the graph
+            if len(rows) == step.num_seqs:  # a decode step samples every row, in order
+                return logits
+            return None if picked is None else logits.index_select(0, picked)
+        hidden, _ = self._eager_forward(step, inputs)
+        return None if picked is None else self.model.compute_logits(hidden.index_select(0, picked))
+
+    def _sample(self, step: StepInput, logits: torch.Tensor | None) -> StepOutput:
+        if logits is None:
             return StepOutput(step.step_id, [], [])
-        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
         tokens, logprobs = sample(logits, step.sampling)
+        return StepOutput(step.step_id, [[t] for t in tokens],
+                          [None if lp is None else [lp] for lp in logprobs])
+
+    def _decode_steps(self, step: StepInput) -> StepOutput:
+        """``step.num_steps`` decode steps of a one-stage pipeline, in one call."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(step):
+            inputs = graphs.load(step)
+            forward = graphs.replay
+        else:
+            inputs = DecodeInputs.from_step(step, self.device)
+            meta = inputs.metadata()
+
+            def forward() -> torch.Tensor:
+                hidden, _ = self.model(inputs.positions, meta, self.kv_caches,
+                                       input_ids=inputs.input_ids)
+                return self.model.compute_logits(hidden)
+
+        assert step.sampling is not None
+        tokens, logprobs = run_decode_steps(
+            forward, inputs, SamplingTensors.build(step.sampling, self.device), step.num_steps,
+            self.config.cache.block_size)
         return StepOutput(step.step_id, tokens, logprobs)
 
     # -- introspection for tests and operators -----------------------------------------

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call (benchmarks/gpu/README.md): install the carried wheels (.whl/), run the
+# CUDA tests, then the decode benchmark in the time left. Results go to $OUT.
+#   bash scripts/gpu_run.sh [TOTAL_SECONDS=560] [PYTEST_SECONDS=200]
+set -u
+START=$(date +%s)
+TOTAL=${1:-560}
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+# gpu-wheels.sh repacks Ray's wheel with zipfile, which drops these executable bits
+chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet
+export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
+  TOKENIZERS_PARALLELISM=false
+timeout "${2:-200}" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rfE 2>&1 \
+  | tee "$OUT/pytest.txt" | tail -15
+BUDGET=$((TOTAL - 30 - $(date +%s) + START))
+echo "benchmark budget ${BUDGET} s"
+timeout $((BUDGET + 25)) python3 -m raypp.bench.gpu_decode --out "$OUT" --budget-s "$BUDGET" \
+  > "$OUT/log.txt" 2>&1
+tail -c 6000 "$OUT/log.txt"

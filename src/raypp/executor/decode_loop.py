@@ -1,0 +1,86 @@
+"""Several decode steps of a one-stage pipeline in one call, without leaving the device.
+
+After each step the sampled tokens become the next step's input ids, and the
+positions, context lengths and cache slots advance by one, all by device ops on
+the step's input tensors (which may be a CUDA graph's static buffers). Nothing
+waits on the device until every step is queued; one copy brings all sampled ids
+back. The engine reserved cache blocks for every step beforehand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from raypp.engine.sampler import (
+    SamplingTensors,
+    logprob_stats,
+    row_logprobs,
+    sample_tokens,
+    sampled_logprobs,
+)
+from raypp.engine.step import RowLogprobs, StepInput
+from raypp.model.layers import AttentionMetadata
+
+
+@dataclass
+class DecodeInputs:
+    """The per-step input tensors of a decode batch (one row per sequence)."""
+
+    input_ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor  # context length including this step's token
+    block_tables: torch.Tensor  # [rows, width] int64, covering every step's slot
+
+    @classmethod
+    def from_step(cls, step: StepInput, device: torch.device) -> DecodeInputs:
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        ints = torch.tensor([step.input_ids, step.positions, step.slot_mapping, step.seq_lens],
+                            dtype=torch.int64).to(device)
+        return cls(ints[0], ints[1], ints[2], ints[3],
+                   torch.tensor(tables, dtype=torch.int64, device=device))
+
+    def metadata(self) -> AttentionMetadata:
+        """Decode metadata over these tensors (it reads them at call time)."""
+        n = self.input_ids.shape[0]
+        return AttentionMetadata(slot_mapping=self.slot_mapping, query_start=list(range(n + 1)),
+                                 seq_lens=[], block_tables=self.block_tables, decode_only=True,
+                                 seq_lens_tensor=self.seq_lens)
+
+    def advance(self, tokens: torch.Tensor, block_size: int) -> None:
+        """Make these the inputs of the next step, whose tokens are ``tokens``."""
+        self.input_ids.copy_(tokens)
+        self.positions.add_(1)
+        self.seq_lens.add_(1)
+        blocks = self.block_tables.gather(1, (self.positions // block_size)[:, None])[:, 0]
+        torch.add(self.positions % block_size, blocks, alpha=block_size, out=self.slot_mapping)
+
+
+def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
+                     sampling: SamplingTensors, num_steps: int, block_size: int
+                     ) -> tuple[list[list[int]], list[list[RowLogprobs] | None]]:
+    """Run ``num_steps`` decode steps; per row, its sampled ids and (if asked) logprobs.
+
+    ``forward()`` runs the model on ``inputs`` as they are now and returns the
+    rows' logits ``[rows, vocab]``.
+    """
+    tokens: list[torch.Tensor] = []
+    stats: list[tuple[torch.Tensor, ...]] = []
+    for j in range(num_steps):
+        logits = forward()
+        sampled = sample_tokens(logits, sampling, offset=j)
+        if sampling.wants_logprobs:
+            stats.append(sampled_logprobs(logprob_stats(logits, sampling), sampled))
+        tokens.append(sampled)
+        if j + 1 < num_steps:
+            inputs.advance(sampled, block_size)
+    token_ids = torch.stack(tokens, dim=1).tolist()
+    if not stats:
+        return token_ids, [None] * len(token_ids)
+    per_step = [row_logprobs(*s, sampling.num_logprobs) for s in stats]
+    return token_ids, [None if per_step[0][r] is None else [lp[r] for lp in per_step]
+                       for r in range(len(token_ids))]

@@ -1,0 +1,131 @@
+"""Multi-step decode (``num_decode_steps``): several decode steps per round trip to
+the stage must give exactly the outputs of one step at a time."""
+
+from __future__ import annotations
+
+import pytest
+from hf_reference import corpus_prompts, hf_greedy
+
+from raypp import LLM, SamplingParams
+
+LENGTHS = [1, 3, 5, 8, 11, 2, 17, 23, 29, 31, 4, 6]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)  # not a multiple of the 4 steps
+
+
+def _inputs(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _completions(outs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def multi(ray_cluster, tiny_llama):
+    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=8, seed=3) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def single(ray_cluster, tiny_llama):
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def prompts(single):
+    return corpus_prompts(single.get_tokenizer(), LENGTHS)
+
+
+def test_greedy_equals_transformers_in_fewer_steps(multi, single, tiny_llama, prompts):
+    reference = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    steps_before = multi.engine.stats.steps
+    outs = multi.generate(_inputs(prompts), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    multi_steps = multi.engine.stats.steps - steps_before
+    steps_before = single.engine.stats.steps
+    single.generate(_inputs(prompts), GREEDY, use_tqdm=False)
+    single_steps = single.engine.stats.steps - steps_before
+    assert multi_steps < single_steps / 2, (multi_steps, single_steps)
+    blocks = multi.engine.block_manager
+    assert blocks.num_free == blocks.num_blocks
+
+
+def test_seeded_sampling_and_logprobs_equal_single_steps(multi, single, prompts):
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=i, max_tokens=9,
+                             logprobs=3, n=2) for i in range(len(prompts))]
+    a = multi.generate(_inputs(prompts), params, use_tqdm=False)
+    b = single.generate(_inputs(prompts), params, use_tqdm=False)
+    assert _completions(a) == _completions(b)
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert len(cx.logprobs) == len(cx.token_ids)
+            for px, py in zip(cx.logprobs, cy.logprobs):
+                assert px.keys() == py.keys()
+                for t in px:
+                    assert px[t].rank == py[t].rank
+                    assert px[t].logprob == pytest.approx(py[t].logprob, abs=1e-4)
+
+
+def test_stops_mid_way_drop_the_extra_tokens(multi, single, prompts):
+    tok = single.get_tokenizer()
+    free_run = single.generate(_inputs(prompts[:6]), GREEDY, use_tqdm=False)
+    # stop on a token / a string that each greedy run meets part-way through a multi-step
+    params = []
+    for o in free_run:
+        ids = o.outputs[0].token_ids
+        params.append(SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[5]]))
+        text = tok.decode(ids[:7], skip_special_tokens=True)
+        params.append(SamplingParams(temperature=0, max_tokens=10, stop=[text[-3:]]))
+        params.append(SamplingParams(temperature=0, max_tokens=10, stop=[text[-3:]],
+                                     include_stop_str_in_output=True))
+    inputs = [p for p in _inputs(prompts[:6]) for _ in range(3)]
+    a = multi.generate(inputs, params, use_tqdm=False)
+    b = single.generate(inputs, params, use_tqdm=False)
+    assert _completions(a) == _completions(b)
+    assert any(len(o.outputs[0].token_ids) < 10 for o in a)
+    assert {o.outputs[0].finish_reason for o in a} == {"stop"}
+    blocks = multi.engine.block_manager
+    assert blocks.num_free == blocks.num_blocks
+
+
+def test_penalties_fall_back_to_single_steps(multi, single, prompts):
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=8, repetition_penalty=1.3,
+                            frequency_penalty=0.4)
+    a = multi.generate(_inputs(prompts[:5]), params, use_tqdm=False)
+    b = single.generate(_inputs(prompts[:5]), params, use_tqdm=False)
+    assert _completions(a) == _completions(b)
+
+
+def test_model_length_and_tight_cache_limits(ray_cluster, tiny_llama, prompts):
+    """Horizon cut by ``max_model_len`` and by too few free blocks; with preemption."""
+    long = [p for p in prompts if len(p) >= 17]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outs = {}
+    for steps in (1, 6):
+        with LLM(str(tiny_llama), num_decode_steps=steps, max_model_len=48, max_num_seqs=8,
+                 num_blocks_override=14, seed=3) as llm:
+            outs[steps] = llm.generate(_inputs(long * 2), params, use_tqdm=False)
+            blocks = llm.engine.block_manager
+            assert blocks.num_free == blocks.num_blocks
+            preemptions = llm.engine.scheduler.num_preemptions
+    assert _completions(outs[6]) == _completions(outs[1])
+    assert all(len(p) + len(o.outputs[0].token_ids) == 48 for p, o in zip(long * 2, outs[6]))
+    assert {o.outputs[0].finish_reason for o in outs[6]} == {"length"}
+    assert preemptions > 0
+
+
+def test_tensor_parallel_and_direct_plane(ray_cluster, tiny_llama, prompts):
+    reference = hf_greedy(tiny_llama, prompts[:6], GREEDY.max_tokens)
+    for kwargs in ({"tensor_parallel_size": 2}, {"control_plane": "direct"}):
+        with LLM(str(tiny_llama), num_decode_steps=3, seed=3, **kwargs) as llm:
+            outs = llm.generate(_inputs(prompts[:6]), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference, kwargs
+
+
+def test_pipeline_parallel_refuses_multi_step(tiny_llama):
+    with pytest.raises(ValueError, match="num_decode_steps=2 needs pipeline_parallel_size=1"):
+        LLM(str(tiny_llama), pipeline_parallel_size=2, num_decode_steps=2)
+    with pytest.raises(ValueError, match="num_decode_steps must be an integer >= 1"):
+        LLM(str(tiny_llama), num_decode_steps=0)
