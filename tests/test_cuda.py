@@ -234,3 +234,22 @@ def test_chunked_argmax_equals_torch_argmax():
         logits[0, vocab // 3] = logits[0, vocab - 5] = 1e4  # a tie: the first index wins
         assert torch.equal(argmax(logits), logits.argmax(dim=-1))
         assert argmax(logits)[0].item() == vocab // 3
+
+
+def test_triton_advance_equals_torch_ops():
+    """One Triton launch moves a decode batch to its next step exactly as the CPU ops do."""
+    from raypp.executor.decode_loop import DecodeInputs
+
+    block_size, rows, width = 16, 300, 8
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, width * block_size - 1, (rows,), generator=gen)
+    cpu = DecodeInputs(torch.zeros(rows, dtype=torch.int64), positions.clone(),
+                       torch.zeros(rows, dtype=torch.int64), positions + 1,
+                       torch.randint(0, 1000, (rows, width), generator=gen))
+    gpu = DecodeInputs(*(t.cuda() for t in (cpu.input_ids, cpu.positions, cpu.slot_mapping,
+                                            cpu.seq_lens, cpu.block_tables)))
+    tokens = torch.randint(0, 50000, (rows,), generator=gen)
+    cpu.advance(tokens, block_size)
+    gpu.advance(tokens.cuda(), block_size)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name

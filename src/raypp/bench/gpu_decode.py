@@ -21,7 +21,8 @@ In one process, on one GPU, it:
    dynamic cache), then static cache + ``torch.compile`` where time allows;
 7. the roofline: bytes a decode step must read (weights once, plus the KV of
    every sequence) over the measured copy bandwidth;
-8. a GEMV probe: the batch-1 projections with cuBLAS against a Triton GEMV.
+8. the paged decode attention kernel alone at each batch size, over its number
+   of context splits.
 
 Every section runs under a shared time budget and records errors instead of
 stopping; ``results.json`` is rewritten after each. A short table prints last.
@@ -62,8 +63,9 @@ DECODE_STEPS = (1, 8, 32)  # engine runs: decode steps per round trip to the sta
 class Bench:
     """Shared state: results, the output folder, the deadline."""
 
-    def __init__(self, out: Path, budget_s: float):
+    def __init__(self, out: Path, budget_s: float, only: list[str] | None = None):
         self.out = out
+        self.only = only
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + budget_s
         self.results: dict[str, Any] = {"errors": {}, "skipped": [], "timings_s": {}}
@@ -75,6 +77,8 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
 
     def section(self, name: str, fn: Callable[[], Any], need_s: float = 0.0) -> Any:
+        if self.only is not None and name not in self.only:
+            return None
         if self.left() < need_s:
             self.results["skipped"].append(f"{name}: {self.left():.0f} s left, needs ~{need_s:.0f}")
             log(f"== {name}: SKIPPED (time)")
@@ -686,79 +690,54 @@ def _hf_generate(model: Any, prompts: list[list[int]], n: int, kw: dict) -> Any:
                           min_new_tokens=n, do_sample=False, pad_token_id=2, **kw)
 
 
-# -- 8. GEMV probe -----------------------------------------------------------------------------
-
-GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
-               "down": (2048, 8192), "lm_head": (128256, 2048)}
-GEMV_CONFIGS = [(bn, bk, nw) for bn in (4, 8, 16) for bk in (256, 512, 1024) for nw in (2, 4, 8)]
+# -- 8. the decode attention kernel alone ----------------------------------------------------
 
 
-def gemv_probe(bench: Bench, bw: float) -> dict[str, Any]:
-    """Batch-1 projections of the 1B shape: cuBLAS (``F.linear``) vs the Triton GEMV.
-
-    Each variant runs 24 times inside one CUDA graph (as in a decode replay), over
-    distinct weight copies totalling >= 512 MB so no read hits the L2 cache.
-    """
+def attention_splits(bw: float) -> dict[str, Any]:
+    """The paged decode kernel at the 1B shape (32 heads, 8 kv heads, dim 64, context
+    ``PROMPT_LEN + 64``, tables as wide as ``MAX_MODEL_LEN``) over its split counts;
+    ``default`` is what ``num_splits`` picks. Time per call: 16 calls (one per layer,
+    each over its own cache) replayed as one CUDA graph, so launches cost what they
+    cost in a decode replay."""
     out: dict[str, Any] = {}
-    for name, (n, k) in GEMV_SHAPES.items():
-        if bench.left() < 15:
-            out[name] = "skipped: time"
-            continue
-        out[name] = _probe_shape(n, k, bw)
-        log(f"gemv {name}: {out[name].get('cublas_us')} us cuBLAS vs "
-            f"{out[name].get('triton_best_us')} us Triton ({out[name].get('triton_best_config')})")
+    for batch in BATCHES:
+        out[f"b{batch}"] = _attention_batch(batch, bw)
+        log(f"attention b={batch}: {out[f'b{batch}']}")
         torch.cuda.empty_cache()
     return out
 
 
-def _probe_shape(n: int, k: int, bw: float) -> dict[str, Any]:
-    import torch.nn.functional as F
+def _attention_batch(batch: int, bw: float) -> dict[str, Any]:
+    from raypp.model import triton_attention as ta
 
-    from raypp.model.triton_gemv import gemv
+    ctx, block, layers = PROMPT_LEN + 64, 16, 16
+    width = MAX_MODEL_LEN // block
+    caches = [torch.randn(2, batch * width, block, 8, 64, device="cuda", dtype=torch.bfloat16)
+              for _ in range(layers)]
+    tables = torch.arange(batch * width, device="cuda").view(batch, width)
+    lens = torch.full((batch,), ctx, device="cuda")
+    q = torch.randn(batch, 32, 64, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = batch * ctx * 8 * 64 * 2 * 2
+    res: dict[str, Any] = {"default": ta.num_splits(batch, 8, width * block, q.device)}
 
-    copies = max(2, -(-(512 << 20) // (2 * n * k)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    ref = F.linear(x.float(), ws[0].float())
+    def graphed(splits: int) -> float:
+        def run() -> None:
+            for c in caches:
+                ta.paged_decode(q, c[0], c[1], tables, lens, 0.125, splits=splits)
 
-    def graphed(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
-        fn(ws[0])
+        run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i in range(24):
-                fn(ws[i % len(ws)])
-        return _time_cuda(graph.replay, 10) / 24
+            run()
+        return _time_cuda(graph.replay, 20) / layers
 
-    res: dict[str, Any] = {"bytes": 2 * n * k}
-    t = graphed(lambda w: F.linear(x, w))
-    res["cublas_us"] = round(1e6 * t, 2)
-    res["cublas_TBps"] = round(2 * n * k / t / 1e12, 2)
-    best = None
-    for bn, bk, nw in GEMV_CONFIGS:
-        tag = f"{bn}x{bk}w{nw}"
-        try:
-            err = _rel_err(gemv(x, ws[0], bn, bk, nw).float(), ref)
-            if err > 1e-2:
-                res[tag] = f"wrong: rel err {err:.3g}"
-                continue
-            t = graphed(lambda w, bn=bn, bk=bk, nw=nw: gemv(x, w, bn, bk, nw))
-        except Exception as e:  # noqa: BLE001 - a config that does not compile
-            res[tag] = type(e).__name__
-            continue
-        if best is None or t < best[0]:
-            best = (t, tag)
-    if best:
-        res["triton_best_us"] = round(1e6 * best[0], 2)
-        res["triton_best_TBps"] = round(2 * n * k / best[0] / 1e12, 2)
-        res["triton_best_config"] = best[1]
-        res["speedup_vs_cublas"] = round(res["cublas_us"] / res["triton_best_us"], 3)
-    res["ideal_us_at_copy_bw"] = round(1e6 * 2 * n * k / (bw * 1e9), 2)
+    for splits in (1, 2, 4, 8, 16):
+        t = graphed(splits)
+        res[f"s{splits}_us"] = round(1e6 * t, 2)
+        res[f"s{splits}_TBps"] = round(kv_bytes / t / 1e12, 2)
+    res["ideal_us"] = round(1e6 * kv_bytes / (bw * 1e9), 2)
     return res
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -817,12 +796,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--ckpt", default="/tmp/raypp-llama-1b-random")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated sections to run (default: all)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    bench = Bench(out, args.budget_s)
+    bench = Bench(out, args.budget_s, args.sections.split(",") if args.sections else None)
     r = bench.results
     import transformers
     import triton
@@ -857,7 +838,7 @@ def main() -> None:
     fp32 = bench.section("raypp_fp32_check", lambda: raypp_check(ckpt, "float32", None), 60)
     r["raypp_check_tokens"] = {"fp32": fp32, "bf16": bf16}
     r["correctness"] = bench.section("correctness", lambda: correctness(ckpt, fp32, bf16), 30)
-    r["gemv_probe"] = bench.section("gemv_probe", lambda: gemv_probe(bench, bw), 30)
+    r["attention_splits"] = bench.section("attention_splits", lambda: attention_splits(bw), 15)
     r["hf_eager"] = bench.section("hf_eager", lambda: hf_bench(ckpt, bench, False), 40)
     r["wall_s"] = round(time.perf_counter() - bench.t0, 1)
     bench.save()

@@ -1,9 +1,10 @@
 """LLMEngine: add requests, step the pipeline, collect outputs.
 
 A step reads top-down: fill free pipeline slots with micro-batches from the
-scheduler (``schedule``), wait for the oldest micro-batch's sampled tokens
-(``execute``), then append tokens, detokenize, check stop conditions and free
-finished sequences (``postprocess``).
+scheduler (``_fill_pipeline``), wait for the oldest micro-batch's sampled tokens,
+append them and apply the stop conditions (``_append_results``), refill the
+freed slot at once, and detokenize and build outputs while that next
+micro-batch runs (``_finish_text``).
 """
 
 from __future__ import annotations
@@ -191,7 +192,15 @@ class LLMEngine:
             self._inflight.appendleft(item)
             return self._on_executor_failure(e)
         got = time.perf_counter()
-        outputs = self._postprocess(item.batch, result)
+        seqs, text_pending = self._append_results(item.batch, result)
+        failure = None
+        try:  # the next micro-batch runs while this one's text is decoded
+            self._fill_pipeline()
+        except (StageDiedError, StepTimeoutError) as e:
+            failure = e
+        outputs = self._finish_text(seqs, text_pending)
+        if failure is not None:
+            outputs += self._on_executor_failure(failure)
         stats = self.stats
         stats.steps += 1
         stats.tokens_processed += item.step.num_tokens * item.step.num_steps
@@ -300,13 +309,16 @@ class LLMEngine:
             trace=self.trace_steps,
         )
 
-    def _postprocess(self, batch: MicroBatch, result: StepOutput) -> list[RequestOutput]:
+    def _append_results(self, batch: MicroBatch, result: StepOutput
+                        ) -> tuple[list[Sequence], list[Sequence]]:
         """Append each sequence's sampled tokens in order, up to its first stop.
 
-        Tokens a multi-step decode sampled past a sequence's stop are dropped.
-        Without stop strings the tokens alone say where a sequence stops, so all
-        of a step's tokens are detokenized in one batched call; sequences with stop
-        strings are detokenized after every token.
+        Everything the next micro-batch depends on happens here: tokens appended,
+        stops by id, length or stop string applied, finished sequences' blocks
+        released. Tokens a multi-step decode sampled past a stop are dropped.
+        Sequences with stop strings are detokenized after every token; the others'
+        text is left to :meth:`_finish_text` (returned second), which runs while
+        the next micro-batch is on the device. Returns ``(sequences, text pending)``.
         """
         self.scheduler.complete(batch)
         sampled = [item.seq for item in batch.seqs if item.sample]
@@ -317,42 +329,83 @@ class LLMEngine:
                 if seq.status is SequenceStatus.RUNNING]  # others were aborted in flight
         by_tokens = [row for row in rows if not row[0].params.stop_strings]
         for seq, tokens, row_logprobs in by_tokens:
-            for j, token in enumerate(tokens):
-                self._append_token(seq, token, row_logprobs[j] if row_logprobs else None)
-                if seq.finished:
-                    break
-        self._detokenize([row[0] for row in by_tokens])
+            self._append_tokens(seq, tokens, row_logprobs)
         by_text = [row for row in rows if row[0].params.stop_strings]
         for j in range(batch.num_steps if by_text else 0):
             live = [row for row in by_text if row[0].status is SequenceStatus.RUNNING]
             for seq, tokens, row_logprobs in live:
-                self._append_token(seq, tokens[j], row_logprobs[j] if row_logprobs else None,
-                                   check_text=True)
+                self._append_tokens(seq, tokens[j:j + 1],
+                                    row_logprobs[j:j + 1] if row_logprobs else None,
+                                    length_stops=False)  # a stop string outranks the length
             self._detokenize([row[0] for row in live])
-        return self._outputs_of([row[0] for row in rows])
+        seqs = [row[0] for row in rows]
+        for seq in seqs:
+            if seq.finished:
+                self.scheduler.finish(seq)
+        return seqs, [row[0] for row in by_tokens]
 
-    def _append_token(self, seq: Sequence, token: int, row_logprobs: RowLogprobs | None,
-                      check_text: bool = False) -> None:
-        """Append one sampled token and apply the stop conditions that need no text."""
-        seq.output_token_ids.append(token)
-        self.stats.tokens_generated += 1
+    def _finish_text(self, seqs: list[Sequence], text_pending: list[Sequence]
+                     ) -> list[RequestOutput]:
+        self._detokenize(text_pending)
+        return self._outputs_of(seqs)
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int],
+                       row_logprobs: list[RowLogprobs] | None, length_stops: bool = True) -> None:
+        """Append sampled tokens up to the first that stops ``seq`` by id or by length.
+
+        Stop and EOS ids count once ``min_tokens`` are out; the token that reaches
+        ``max_tokens`` or ``max_model_len`` ends the sequence unless
+        ``length_stops`` is off (the caller then checks stop strings first).
+        """
+        params, out = seq.params, seq.output_token_ids
+        before = len(out)
+        take = len(tokens)
+        if length_stops:
+            take = min(take, self._room(seq))
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        stopped_by = None
+        if stop_ids:
+            for j in range(max(0, params.min_tokens - before - 1), take):
+                if tokens[j] in stop_ids:
+                    take, stopped_by = j + 1, tokens[j]
+                    break
+        out.extend(tokens[:take])
+        self.stats.tokens_generated += take
         if seq.logprobs is not None and row_logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(token, row_logprobs))
-        if not check_text:
-            self._check_stop(seq, token)
+            seq.logprobs.extend(self._logprob_dict(t, lp)
+                                for t, lp in zip(tokens[:take], row_logprobs))
+        if stopped_by is not None:
+            seq.finish("stop", stopped_by if stopped_by in params.stop_token_ids else None)
+        elif length_stops and self._room(seq) == 0:
+            seq.finish("length")
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may still generate before its length limit."""
+        room = self.config.model.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids))
+        return room
 
     def _detokenize(self, seqs: list[Sequence]) -> None:
-        """Extend the sequences' text; apply stop strings; release finished sequences."""
+        """Extend the sequences' text; apply stop strings (then the length limit to those
+        sequences); release the held-back text of finished sequences."""
         if not seqs:
             return
         detokenizer.append_text(self.tokenizer, seqs)
         for seq in seqs:
             if not seq.finished and seq.params.stop_strings:
-                self._check_stop(seq, seq.output_token_ids[-1])
-            if seq.finished:
-                if not isinstance(seq.stop_reason, str):  # not cut at a stop string
-                    detokenizer.flush(self.tokenizer, seq)
-                self.scheduler.finish(seq)
+                self._stop_by_text(seq)
+            if seq.finished and not isinstance(seq.stop_reason, str):  # not cut at a stop string
+                detokenizer.flush(self.tokenizer, seq)
+
+    def _stop_by_text(self, seq: Sequence) -> None:
+        """Stop strings (once ``min_tokens`` are out), then the length limit."""
+        if len(seq.output_token_ids) >= seq.params.min_tokens and self._truncate_at_stop_string(seq):
+            return
+        if self._room(seq) <= 0:
+            seq.finish("length")
 
     def _outputs_of(self, seqs: list[Sequence]) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
@@ -371,22 +424,6 @@ class LLMEngine:
             if finished:
                 del self.requests[request.request_id]
         return outputs
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        num_out = len(seq.output_token_ids)
-        if num_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.finish("stop", token)
-                return
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish("stop", None)
-                return
-            if params.stop_strings and self._truncate_at_stop_string(seq):
-                return
-        at_max = params.max_tokens is not None and num_out >= params.max_tokens
-        if at_max or seq.num_tokens >= self.config.model.max_model_len:
-            seq.finish("length")
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence) -> bool:

@@ -97,15 +97,15 @@ class SamplingTensors:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (first index of the maximum), faster for few rows on a GPU.
+    """``logits.argmax(-1)`` (first index of the maximum), faster on a GPU.
 
-    One row's argmax over a large vocabulary runs as a single thread block; split
-    into chunks it spreads over the device (first maximal chunk, then its first
+    A row's argmax over a large vocabulary runs as one thread block; split into
+    chunks it spreads over the device (first maximal chunk, then its first
     maximal entry: the same index).
     """
     rows, vocab = logits.shape
     chunk = next((c for c in (512, 256, 128) if vocab % c == 0), 0)
-    if not logits.is_cuda or rows > 8 or not chunk:
+    if not logits.is_cuda or not chunk:
         return logits.argmax(dim=-1)
     chunks = logits.view(rows, vocab // chunk, chunk)
     inner = chunks.argmax(dim=-1)  # [rows, chunks]
@@ -116,14 +116,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, t: SamplingTensors, offset: int = 0) -> torch.Tensor:
     """``[rows]`` int64 sampled ids, on the device (no host sync).
 
-    ``offset`` advances each row's RNG counter: the ``offset``-th token after the
-    one ``t.output_index`` names (multi-step decode).
+    ``logits`` may be in the model's dtype: greedy rows take its argmax (an
+    upcast changes no order), random rows are sampled in float32. ``offset``
+    advances each row's RNG counter: the ``offset``-th token after the one
+    ``t.output_index`` names (multi-step decode).
     """
     tokens = argmax(logits)
     if t.all_greedy:
         return tokens
     greedy = t.temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
+    scaled = logits.float() / torch.where(greedy, 1.0, t.temperature)[:, None]
     probs = _filter(scaled, t.top_k, t.top_p, t.min_p).softmax(dim=-1)
     noise = uniform_noise(t.seeds, t.output_index + offset, logits.shape[1])
     race = probs / (-torch.log(noise))
@@ -132,11 +134,10 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors, offset: int = 0) -> 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[RowLogprobs | None]]:
     """Sampled token per row, and logprobs (of the raw model distribution) where asked."""
-    # logits: [rows, vocab] float32
     t = SamplingTensors.build(batch, logits.device)
     stats = logprob_stats(logits, t)
     if batch.any_penalties:
-        logits = apply_penalties(logits.clone(), batch)
+        logits = apply_penalties(logits.to(torch.float32, copy=True), batch)
     tokens = sample_tokens(logits, t)
     if stats is None:
         return tokens.tolist(), [None] * len(batch.temperature)
@@ -150,7 +151,7 @@ def logprob_stats(logits: torch.Tensor, t: SamplingTensors) -> LogprobStats | No
     """``(log_softmax, top values, top ids)`` on the device, or ``None`` if no row asks."""
     if not t.wants_logprobs:
         return None
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_vals, top_ids = logprobs.topk(max(max(t.num_logprobs), 1), dim=-1)
     return logprobs, top_vals, top_ids
 

@@ -53,6 +53,11 @@ class DecodeInputs:
 
     def advance(self, tokens: torch.Tensor, block_size: int) -> None:
         """Make these the inputs of the next step, whose tokens are ``tokens``."""
+        if tokens.is_cuda:
+            from raypp.executor import decode_loop_cuda
+
+            decode_loop_cuda.advance(self, tokens, block_size)
+            return
         self.input_ids.copy_(tokens)
         self.positions.add_(1)
         self.seq_lens.add_(1)

@@ -178,7 +178,8 @@ class LlamaStageModel(nn.Module):
         return hidden_states, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden).float()
+        """Logits in the model's dtype (the sampler upcasts where it needs to)."""
+        return self.lm_head.logits(hidden)
 
     def checkpoint_names(self, name: str) -> list[tuple[str, str, object]]:
         """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
