@@ -206,6 +206,48 @@ def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, 
     assert (replays == -1) if eager else (replays > 0)
 
 
+@pytest.mark.parametrize("dtype,tie", [("bfloat16", 0.15), ("float16", 0.05)])
+def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie):
+    """bf16/fp16 weights end to end (graphs, 4 decode steps per call), teacher-forced on
+    raypp's tokens: raypp's top-5 logprobs are as close to transformers' fp32 as
+    transformers' own half-precision logprobs are (relative error at most 1.5x theirs,
+    plus 1e-3), and every greedy token is transformers' choice in the same dtype or
+    within ``tie`` nats of it (bf16 keeps 8 significant bits: logits near 8 round to 1/32)."""
+    import transformers
+
+    from raypp import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    with LLM(str(tiny_llama), device="cuda", dtype=dtype, gpu_memory_utilization=0.3,
+             max_num_seqs=4, num_decode_steps=4) as llm:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def hf_logprobs(torch_dtype: torch.dtype) -> list[torch.Tensor]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tiny_llama), dtype=torch_dtype).cuda()
+        refs = []
+        for prompt, out in zip(prompts, outs, strict=True):
+            ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
+            with torch.inference_mode():
+                refs.append(model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1))
+        return refs
+
+    half, full = hf_logprobs(getattr(torch, dtype)), hf_logprobs(torch.float32)
+    ours, theirs, norm = 0.0, 0.0, 0.0
+    for out, ref_half, ref in zip(outs, half, full, strict=True):
+        for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert ref_half[i, tok] >= ref_half[i].max() - tie, (i, tok, ref_half[i].argmax())
+            for tid, lp in top.items():
+                ours += (lp.logprob - ref[i, tid].item()) ** 2
+                theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
+                norm += ref[i, tid].item() ** 2
+    ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
+    print(f"{dtype} logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
+          f"transformers {dtype} {theirs:.2e}")
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
 def test_multi_step_sampling_on_cuda_equals_single_steps(ray_cluster, tiny_llama):
     """Seeded sampling and logprobs through graph replays: 8 steps per call == 1."""
     from raypp import LLM, SamplingParams

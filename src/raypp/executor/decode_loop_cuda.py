@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 _ROWS_PER_PROGRAM = 256
 
 
-@triton.jit
+# rows and stride_table vary per call: specializing on them (``== 1``, ``% 16 == 0``) would
+# JIT-compile a new variant mid-serving, e.g. the first time one sequence is decoded alone
+@triton.jit(do_not_specialize=["rows", "stride_table"])
 def _advance_kernel(tokens_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr, tables_ptr, rows,
                     stride_table, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
