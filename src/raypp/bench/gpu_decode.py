@@ -22,7 +22,7 @@ In one process, on one GPU, it:
 7. the roofline: bytes a decode step must read (weights once, plus the KV of
    every sequence) over the measured copy bandwidth;
 8. the paged decode attention kernel alone at each batch size, over its number
-   of context splits.
+   of context splits and its launch settings.
 
 Every section runs under a shared time budget and records errors instead of
 stopping; ``results.json`` is rewritten after each. A short table prints last.
@@ -699,45 +699,94 @@ def attention_splits(bw: float) -> dict[str, Any]:
     ``default`` is what ``num_splits`` picks. Time per call: 16 calls (one per layer,
     each over its own cache) replayed as one CUDA graph, so launches cost what they
     cost in a decode replay."""
+    return _per_batch("attention", lambda kb: _split_sweep(kb, bw))
+
+
+def attention_launch(bw: float) -> dict[str, Any]:
+    """The decode kernel's launch settings (tokens per iteration, warps, pipeline
+    stages) at the default split count and at the split sweep's best, timed as in
+    :func:`attention_splits`; the five fastest and the current default per batch."""
+    return _per_batch("attention launch", lambda kb: _launch_sweep(kb, bw))
+
+
+def _per_batch(name: str, fn: Callable[[_KernelBench], dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for batch in BATCHES:
-        out[f"b{batch}"] = _attention_batch(batch, bw)
-        log(f"attention b={batch}: {out[f'b{batch}']}")
+        out[f"b{batch}"] = fn(_KernelBench(batch))
+        log(f"{name} b={batch}: {out[f'b{batch}']}")
         torch.cuda.empty_cache()
     return out
 
 
-def _attention_batch(batch: int, bw: float) -> dict[str, Any]:
-    from raypp.model import triton_attention as ta
+class _KernelBench:
+    """16 layers' caches and one decode batch at the benchmark's shape."""
 
-    ctx, block, layers = PROMPT_LEN + 64, 16, 16
-    width = MAX_MODEL_LEN // block
-    caches = [torch.randn(2, batch * width, block, 8, 64, device="cuda", dtype=torch.bfloat16)
-              for _ in range(layers)]
-    tables = torch.arange(batch * width, device="cuda").view(batch, width)
-    lens = torch.full((batch,), ctx, device="cuda")
-    q = torch.randn(batch, 32, 64, device="cuda", dtype=torch.bfloat16)
-    kv_bytes = batch * ctx * 8 * 64 * 2 * 2
-    res: dict[str, Any] = {"default": ta.num_splits(batch, 8, width * block, q.device)}
+    LAYERS = 16
 
-    def graphed(splits: int) -> float:
+    def __init__(self, batch: int):
+        from raypp.model import triton_attention as ta
+
+        self.ta = ta
+        ctx, block = PROMPT_LEN + 64, 16
+        width = MAX_MODEL_LEN // block
+        self.caches = [torch.randn(2, batch * width, block, 8, 64, device="cuda",
+                                   dtype=torch.bfloat16) for _ in range(self.LAYERS)]
+        self.tables = torch.arange(batch * width, device="cuda").view(batch, width)
+        self.lens = torch.full((batch,), ctx, device="cuda")
+        self.q = torch.randn(batch, 32, 64, device="cuda", dtype=torch.bfloat16)
+        self.kv_bytes = batch * ctx * 8 * 64 * 2 * 2
+        self.default_splits = ta.num_splits(batch, 8, width * block, self.q.device)
+
+    def seconds(self, splits: int, launch: Any = None) -> float:
+        """Time of one layer's call, from a CUDA graph of all 16 layers."""
+        launch = launch or self.ta.DEFAULT_LAUNCH
+
         def run() -> None:
-            for c in caches:
-                ta.paged_decode(q, c[0], c[1], tables, lens, 0.125, splits=splits)
+            for c in self.caches:
+                self.ta.paged_decode(self.q, c[0], c[1], self.tables, self.lens, 0.125,
+                                     splits=splits, launch=launch)
 
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        return _time_cuda(graph.replay, 20) / layers
+        return _time_cuda(graph.replay, 20) / self.LAYERS
 
+
+def _split_sweep(kb: _KernelBench, bw: float) -> dict[str, Any]:
+    res: dict[str, Any] = {"default": kb.default_splits}
     for splits in (1, 2, 4, 8, 16):
-        t = graphed(splits)
+        t = kb.seconds(splits)
         res[f"s{splits}_us"] = round(1e6 * t, 2)
-        res[f"s{splits}_TBps"] = round(kv_bytes / t / 1e12, 2)
-    res["ideal_us"] = round(1e6 * kv_bytes / (bw * 1e9), 2)
+        res[f"s{splits}_TBps"] = round(kb.kv_bytes / t / 1e12, 2)
+    res["ideal_us"] = round(1e6 * kb.kv_bytes / (bw * 1e9), 2)
     return res
+
+
+def _launch_sweep(kb: _KernelBench, bw: float) -> dict[str, Any]:
+    best_split = min((1, 2, 4, 8, 16), key=kb.seconds)
+    times = {}
+    for splits in sorted({kb.default_splits, best_split}):
+        for block in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    launch = kb.ta.DecodeLaunch(block, warps, stages)
+                    times[(splits, launch)] = kb.seconds(splits, launch)
+    default = times[(kb.default_splits, kb.ta.DEFAULT_LAUNCH)]
+
+    def row(key: tuple[int, Any]) -> dict[str, Any]:
+        splits, launch = key
+        return {"splits": splits, **launch._asdict(), "us": round(1e6 * times[key], 2),
+                "TBps": round(kb.kv_bytes / times[key] / 1e12, 2)}
+
+    return {"default": row((kb.default_splits, kb.ta.DEFAULT_LAUNCH)),
+            "best_split": best_split,
+            "fastest": [row(k) for k in sorted(times, key=times.get)[:5]],
+            "default_over_fastest": round(default / min(times.values()), 3),
+            "ideal_us": round(1e6 * kb.kv_bytes / (bw * 1e9), 2),
+            "all_us": {f"s{s}_b{la.block}_w{la.num_warps}_st{la.num_stages}": round(1e6 * t, 2)
+                       for (s, la), t in times.items()}}
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -839,6 +888,7 @@ def main() -> None:
     r["raypp_check_tokens"] = {"fp32": fp32, "bf16": bf16}
     r["correctness"] = bench.section("correctness", lambda: correctness(ckpt, fp32, bf16), 30)
     r["attention_splits"] = bench.section("attention_splits", lambda: attention_splits(bw), 15)
+    r["attention_launch"] = bench.section("attention_launch", lambda: attention_launch(bw), 90)
     r["hf_eager"] = bench.section("hf_eager", lambda: hf_bench(ckpt, bench, False), 40)
     r["wall_s"] = round(time.perf_counter() - bench.t0, 1)
     bench.save()
