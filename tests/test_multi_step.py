@@ -98,6 +98,29 @@ def test_penalties_fall_back_to_single_steps(multi, single, prompts):
     assert _completions(a) == _completions(b)
 
 
+def test_streamed_tokens_arrive_in_groups_of_at_most_k(multi, prompts):
+    """Per-step outputs of a multi-step engine grow by 1..K tokens (K = 4 here), and
+    by more than one once decoding runs several steps per round trip."""
+    engine = multi.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"stream-{i}", {"prompt_token_ids": p}, params)
+    seen: dict[str, int] = {}
+    growth: list[int] = []
+    engine.emit_unfinished = True
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                n = len(out.outputs[0].token_ids)
+                growth.append(n - seen.get(out.request_id, 0))
+                seen[out.request_id] = n
+    finally:
+        engine.emit_unfinished = False
+    assert seen == {f"stream-{i}": 10 for i in range(3)}
+    assert all(1 <= g <= 4 for g in growth), growth
+    assert max(growth) == 4
+
+
 def test_model_length_and_tight_cache_limits(ray_cluster, tiny_llama, prompts):
     """Horizon cut by ``max_model_len`` and by too few free blocks; with preemption."""
     long = [p for p in prompts if len(p) >= 17]
