@@ -40,7 +40,8 @@ class DecodeLaunch(NamedTuple):
     """How the decode kernel runs: context tokens per inner iteration, warps, and
     software-pipeline stages of its loads. The default was the best single setting
     over batch 1..256 on an H200 (``attention_launch`` in benchmarks/gpu): within 4 %
-    of each batch's fastest, 6-11 % faster than (64, 4, 3) at batch 64 and 256."""
+    of each batch's fastest; faster than (64, 4, 3) by 1-2 % at batch 1, 4-5 % at 64,
+    and about 12 % at 16 and 256."""
 
     block: int = 64
     num_warps: int = 2
