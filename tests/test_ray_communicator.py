@@ -142,13 +142,18 @@ def test_same_host_pipes_carry_any_size_in_order(pair, dtype):
     several MiB (the ring grows), more messages than slots in flight, all exact."""
     actors, _, _ = pair
     assert ray.get(actors[0].transport.remote()) and ray.get(actors[1].transport.remote())
+    before = _segment_names()  # /dev/shm is shared with every other process on the host
     shapes = [[3, 4], [0, 8], [], [1, 4096], [512, 4096], [2, 2], [64, 4096], [5]]
     receiving = actors[1].recv_many.remote(0, shapes, dtype)
     ray.get(actors[0].send_many.remote(1, shapes, dtype))
     assert ray.get(receiving) == [True] * len(shapes)
+    assert not _segment_names() - before, "segment names left"
+
+
+def _segment_names() -> set[str]:
     import os
 
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("raypp-")], "segment names left"
+    return {f for f in os.listdir("/dev/shm") if f.startswith("raypp-")}
 
 
 def test_objects_ride_the_same_host_pipes_in_order(pair):
@@ -194,3 +199,22 @@ def test_ray_internals_the_shim_relies_on_are_unchanged():
     reader = inspect.getsource(common.SynchronousReader._read_list)
     assert "c.read(min(remaining_timeout, iteration_timeout))" in reader
     assert "_consume_leftover_channels_if_needed(timeout)" in reader
+
+
+def test_closing_sender_removes_a_segment_no_receiver_mapped():
+    """A message sent but never received leaves no /dev/shm name once the sender closes."""
+    import torch
+
+    from raypp.distributed.local_pipes import LocalPipes
+
+    sender, receiver = LocalPipes(0, timeout_s=5.0), LocalPipes(1, timeout_s=5.0)
+    try:
+        sender.connect_peers({0: sender.address, 1: receiver.address})
+        before = _segment_names()
+        sender.send(torch.ones(4), dst=1)
+        assert len(_segment_names() - before) == 1  # waiting for a receiver to map it
+        sender.close()
+        assert not _segment_names() - before
+    finally:
+        sender.close()
+        receiver.close()

@@ -13,8 +13,10 @@ the receiver. A message larger than the slots makes the sender drain its acks
 and switch to a larger segment, whose name travels in the header.
 
 Sockets live in Linux's abstract namespace and segments in /dev/shm under random
-names; the receiver unlinks a segment as soon as it mapped it, so nothing is left
-behind even if a process dies. Ranks on other hosts keep using gloo.
+names; the receiver unlinks a segment as soon as it mapped it, and a closing
+sender removes a name no receiver mapped. A name outlives its processes only if
+the sender is killed between creating a segment and the receiver mapping it.
+Ranks on other hosts keep using gloo.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def supported() -> bool:
 class _Ring:
     """One direction's shared-memory slots (the sender creates, the receiver maps)."""
 
-    def __init__(self, mapping: mmap.mmap, slot_bytes: int):
+    def __init__(self, mapping: mmap.mmap, slot_bytes: int, name: str | None = None):
         self.map = mapping
         self.slot_bytes = slot_bytes
+        self.name = name  # set on the sender's side only
         self.next_slot = 0
         self.unacked = 0
 
@@ -70,7 +73,7 @@ class _Ring:
             mapping = mmap.mmap(fd, slot * _SLOTS)
         finally:
             os.close(fd)
-        return cls(mapping, slot), name
+        return cls(mapping, slot, name), name
 
     @classmethod
     def attach(cls, name: str) -> _Ring:
@@ -88,8 +91,12 @@ class _Ring:
         return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=slot * self.slot_bytes)
 
     def close(self) -> None:
+        """Unmap; the sender also removes the name if no receiver ever mapped it."""
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
+        if self.name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_SHM_DIR, self.name))
 
 
 class LocalPipes:

@@ -27,7 +27,13 @@ from raypp.engine.sequence import Request, Sequence, SequenceStatus
 from raypp.engine.step import RowLogprobs, SamplingBatch, StepInput, StepOutput
 from raypp.engine.tokenizer import load_tokenizer
 from raypp.executor.base import make_executor
-from raypp.executor.errors import EngineDeadError, StageDiedError, StageError, StepTimeoutError
+from raypp.executor.errors import (
+    EngineDeadError,
+    StageDiedError,
+    StageError,
+    StepTimeoutError,
+    first_line,
+)
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -65,6 +71,7 @@ class LLMEngine:
         self.executor = make_executor(config, config.parallel.control_plane)
         self._restarts: deque[float] = deque()  # times of recent executor replacements
         self._needs_restart = False
+        self._restart_error = ""
         self._dead: str | None = None
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
@@ -174,8 +181,8 @@ class LLMEngine:
         if self._dead:
             raise EngineDeadError(self._dead)
         started = time.perf_counter()
-        if self._needs_restart:
-            self._restart()
+        if self._needs_restart and not self._restart():
+            return []
         try:
             self._fill_pipeline()
         except (StageDiedError, StepTimeoutError) as e:
@@ -252,24 +259,36 @@ class LLMEngine:
         self._needs_restart = True
         return outputs
 
-    def _restart(self) -> None:
+    def _restart(self) -> bool:
+        """Replace the stage workers; False if that failed (the next step tries again).
+
+        Every attempt, failed or not, counts against ``max_restarts``.
+        """
         now = time.monotonic()
         window = envs.RAYPP_RESTART_WINDOW_S
         while self._restarts and now - self._restarts[0] > window:
             self._restarts.popleft()
         if len(self._restarts) >= self.config.max_restarts:
             self._dead = (f"engine stopped: {len(self._restarts)} restarts within {window:g} s "
-                          f"(max_restarts={self.config.max_restarts})")
+                          f"(max_restarts={self.config.max_restarts})"
+                          + (f"; last: {self._restart_error}" if self._restart_error else ""))
             self._fail_all(self._dead)
             raise EngineDeadError(self._dead)
         self._restarts.append(now)
-        self.executor = make_executor(self.config, self.config.parallel.control_plane)
+        try:
+            self.executor = make_executor(self.config, self.config.parallel.control_plane)
+        except Exception as e:  # noqa: BLE001 - reported, and retried within max_restarts
+            self._restart_error = f"replacing the stage workers failed: {first_line(e)}"
+            logger.error("%s", self._restart_error)
+            return False
+        self._restart_error = ""
         if self.executor.num_kv_blocks != self.block_manager.num_blocks:
             self.block_manager = BlockManager(self.executor.num_kv_blocks,
                                               self.config.cache.block_size)
             self.scheduler.blocks = self.block_manager
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
+        return True
 
     def _fail_all(self, message: str) -> None:
         for request in list(self.requests.values()):

@@ -205,6 +205,7 @@ class DirectExecutor:
             self._raise_if_broken()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._actors.log_stacks()
                 raise StepTimeoutError(
                     f"no step result within {timeout:g} s although every stage answers "
                     "(RAYPP_STEP_TIMEOUT_S): a stage is stuck")

@@ -27,7 +27,12 @@ from raypp.engine.step import StepInput, StepOutput
 envs.apply_ray_cgraph_env()  # before ray.dag is imported anywhere in this process
 
 import ray  # noqa: E402
-from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError  # noqa: E402
+from ray.exceptions import (  # noqa: E402
+    GetTimeoutError,
+    RayActorError,
+    RayChannelTimeoutError,
+    TaskPlacementGroupRemoved,
+)
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
@@ -101,9 +106,7 @@ class StageActors:
                     f"tensor_parallel_size × pipeline_parallel_size = {world} workers need "
                     f"{world} GPUs, but the Ray cluster has {gpus}"
                 )
-        self._pg = placement_group([dict(bundle) for _ in range(world)],
-                                   strategy=envs.RAYPP_PLACEMENT_STRATEGY)
-        ray.get(self._pg.ready(), timeout=_STARTUP_TIMEOUT_S)
+        self._reserve_bundles([dict(bundle) for _ in range(world)])
         env = {k: v for k, v in os.environ.items() if k.startswith(("RAYPP_", "RAY_CGRAPH_"))}
         actor_cls = ray.remote(StageWorker)
         for pp_rank in range(self.pp_size):
@@ -124,6 +127,41 @@ class StageActors:
                     ).remote(self.config, pp_rank, tp_rank)
                 )
 
+    def _reserve_bundles(self, bundles: list[dict[str, float]]) -> None:
+        """Hold one placement-group bundle per worker, waiting up to the start-up timeout.
+
+        A node that dies while its bundles are reserved (a replaced stage's raylet
+        can crash in Ray: ray-project/ray#63229) removes the group: a new one
+        is asked for until the cluster can hold it again.
+        """
+        strategy = envs.RAYPP_PLACEMENT_STRATEGY
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while True:
+            self._pg = placement_group(bundles, strategy=strategy)
+            try:
+                ray.get(self._pg.ready(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except TaskPlacementGroupRemoved:
+                self._remove_placement_group()
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("a node holding the stage bundles died; reserving again")
+                time.sleep(1.0)
+            except GetTimeoutError:
+                self._remove_placement_group()
+                alive = [n for n in ray.nodes() if n.get("Alive")]
+                raise RuntimeError(
+                    f"the Ray cluster could not hold {len(bundles)} stage workers "
+                    f"({bundles[0]} each, placement {strategy}) within {_STARTUP_TIMEOUT_S} s; "
+                    f"{len(alive)} node(s) alive with {ray.available_resources()} free"
+                ) from None
+
+    def _remove_placement_group(self) -> None:
+        if self._pg is not None:
+            with contextlib.suppress(Exception):  # the cluster may be gone at exit
+                remove_placement_group(self._pg)
+            self._pg = None
+
     def _init_workers(self) -> int:
         init_method = ray.get(self.workers[0][0].rendezvous_address.remote(),
                               timeout=_STARTUP_TIMEOUT_S)
@@ -140,6 +178,18 @@ class StageActors:
         self.gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
         return num_blocks
 
+    def log_stacks(self) -> None:
+        """Log every worker's thread stacks: where a stuck step waits."""
+        refs = [w.stacks.remote() for w in self.all_workers]
+        for worker_index, ref in enumerate(refs):
+            pp_rank, tp_rank = divmod(worker_index, self.tp_size)
+            try:
+                stacks = ray.get(ref, timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - a report, not a requirement
+                stacks = f"(unavailable: {first_line(e)})"
+            logger.error("stuck step: stacks of stage %d (tp rank %d):\n%s", pp_rank, tp_rank,
+                         stacks)
+
     @staticmethod
     def gather(refs: list[Any]) -> list[Any]:
         return ray.get(refs, timeout=_STARTUP_TIMEOUT_S)
@@ -150,10 +200,7 @@ class StageActors:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(worker, no_restart=True)
         self.workers.clear()
-        if self._pg is not None:
-            with contextlib.suppress(Exception):  # the cluster may be gone at exit
-                remove_placement_group(self._pg)
-            self._pg = None
+        self._remove_placement_group()
 
 
 class RayExecutor:
@@ -257,13 +304,13 @@ class RayExecutor:
         weights and KV cache).
         """
         with self._lock:
-            if self.dag is None:
-                if not self.workers:
-                    raise StageDiedError("executor is shut down")
-                self._compile()
+            if self.dag is None and not self.workers:
+                raise StageDiedError("executor is shut down")
             self._inflight += 1
             self._last_active = time.monotonic()
             try:
+                if self.dag is None:
+                    self._compile()  # fails if a stage died while the graph was suspended
                 return self.dag.execute(step)
             except Exception as e:
                 self._inflight -= 1
@@ -286,7 +333,8 @@ class RayExecutor:
                 self._last_active = time.monotonic()
 
     def _wait_without_spinning(self, handle: Any, timeout: float) -> None:
-        """Sleep-poll until the step's result is in the driver's buffer.
+        """Sleep-poll until the step's result is in the driver's buffer, or raise
+        ``RayChannelTimeoutError`` after ``timeout`` seconds.
 
         ``ray.get`` on a compiled-graph result spins on its channel: on a 2-core
         CPU box the driver then takes most of a core from the stages computing
@@ -303,7 +351,7 @@ class RayExecutor:
                 return
             except RayChannelTimeoutError:
                 if time.monotonic() > deadline:
-                    return  # ray.get raises the timeout
+                    raise
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
@@ -321,6 +369,7 @@ class RayExecutor:
             dead = self._dead_stages()
             if dead:
                 return StageDiedError(f"{dead}: {e}")
+            self._actors.log_stacks()
             return StepTimeoutError(
                 f"no step result within {envs.RAYPP_STEP_TIMEOUT_S:g} s although every stage "
                 "answers (RAYPP_STEP_TIMEOUT_S): a stage is stuck"

@@ -240,6 +240,16 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def stacks(self) -> str:
+        """Every thread's Python stack in this stage (what a stuck step is waiting on)."""
+        import sys
+        import threading
+        import traceback
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                         for ident, frame in sys._current_frames().items())
+
     def node_id(self) -> str:
         """The Ray node this stage runs on."""
         import ray
