@@ -200,6 +200,34 @@ def test_stage_dying_while_idle_costs_no_request(ray_cluster, tiny_llama):
         assert llm.engine.restarts == 2
 
 
+def test_idle_serving_engine_heals_without_a_request(ray_cluster, tiny_llama):
+    """Behind the server (AsyncLLMEngine), a stage that dies while no request is in the
+    engine is replaced within seconds, so ``/health`` recovers before traffic returns."""
+    import asyncio
+
+    from raypp.engine.async_engine import AsyncLLMEngine
+
+    llm = LLM(str(tiny_llama), pipeline_parallel_size=2)
+    engine = AsyncLLMEngine(llm.engine)
+    try:
+        prompts = corpus_prompts(llm.get_tokenizer(), [4])
+        old = llm.engine.executor
+        ray.kill(old.all_workers[1], no_restart=True)
+        deadline = time.monotonic() + 60
+        while not (llm.engine.restarts and engine.is_healthy()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert llm.engine.restarts == 1 and engine.is_healthy()
+        assert llm.engine.executor is not old
+
+        async def first() -> list[int]:
+            outs = [o async for o in engine.generate({"prompt_token_ids": prompts[0]}, SHORT, "r")]
+            return outs[-1].outputs[0].token_ids
+
+        assert asyncio.run(first()) == hf_greedy(tiny_llama, prompts, 8)[0]
+    finally:
+        engine.shutdown()
+
+
 def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
     monkeypatch.setenv("RAYPP_IDLE_SUSPEND_S", "1")
     with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _STAGE_TIMES_INTERVAL_S = 1.0  # how often the loop drains the stages' step timelines
 _STAGE_TIMES_TIMEOUT_S = 2.0  # a stage that does not answer is left to the health check
+_IDLE_REPAIR_S = 2.0  # how often an idle loop checks whether a stage died
 _STUCK_WAIT_S = 0.005  # requests exist but nothing could be scheduled: nap, don't spin
 
 
@@ -219,7 +220,8 @@ class AsyncLLMEngine:
                     self._step()
                 else:
                     self._publish(idle=True)
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(_IDLE_REPAIR_S):
+                        self.engine.repair()  # idle: heal dead stages before traffic returns
                     self._wakeup.clear()
         except BaseException as e:  # noqa: BLE001 - a bug here must not strand callers
             logger.exception("engine loop died")

@@ -483,6 +483,24 @@ class LLMEngine:
                              completions, request.finished, metrics, request.error)
 
     # -- lifecycle -------------------------------------------------------------------------
+    def repair(self) -> bool:
+        """With no request in the engine, replace stage workers the watchdog found dead,
+        so an idle engine heals before traffic returns (a load balancer that reads
+        ``/health`` would otherwise never send the request that heals it). Counts
+        against ``max_restarts``. True if the engine is healthy afterwards."""
+        if self._dead or self.requests:
+            return False
+        if not self._needs_restart:
+            if self.executor.check_health():
+                return True
+            logger.error("a stage died while the engine was idle; replacing the stage workers")
+            self.executor.shutdown()
+            self._needs_restart = True
+        try:
+            return self._restart()
+        except EngineDeadError:
+            return False
+
     def is_healthy(self) -> bool:
         """False while stages are dead or being replaced, and once the engine stopped."""
         return not self._dead and not self._needs_restart and self.executor.check_health()
