@@ -17,6 +17,7 @@ import ray
 from hf_reference import corpus_prompts, hf_greedy
 
 from raypp import LLM, EngineDeadError, RequestFailedError, SamplingParams
+from raypp.testing import wait_suspended
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=8)
@@ -186,10 +187,7 @@ def test_stage_dying_while_idle_costs_no_request(ray_cluster, tiny_llama):
         prompts = corpus_prompts(llm.get_tokenizer(), [4])
         _check_serves_correctly(llm, tiny_llama, prompts)
         executor = llm.engine.executor
-        deadline = time.monotonic() + 10
-        while not executor.suspended and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert executor.suspended
+        assert wait_suspended(executor, timeout=10)
         ray.kill(executor.all_workers[1], no_restart=True)
         _check_serves_correctly(llm, tiny_llama, prompts)
         assert llm.engine.restarts == 1
@@ -233,10 +231,7 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
     with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:
         llm.generate("The list type", SHORT, use_tqdm=False)
         executor = llm.engine.executor
-        deadline = time.monotonic() + 10
-        while not executor.suspended and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert executor.suspended
+        assert wait_suspended(executor, timeout=10)
         procs = [psutil.Process(pid) for pid in ray.get([w.ping.remote() for w in
                                                           executor.all_workers])]
         before = [sum(p.cpu_times()[:2]) for p in procs]

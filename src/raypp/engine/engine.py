@@ -493,9 +493,7 @@ class LLMEngine:
         if not self._needs_restart:
             if self.executor.check_health():
                 return True
-            logger.error("a stage died while the engine was idle; replacing the stage workers")
-            self.executor.shutdown()
-            self._needs_restart = True
+            self._on_executor_failure(StageDiedError("a stage died while the engine was idle"))
         try:
             return self._restart()
         except EngineDeadError:

@@ -181,10 +181,11 @@ class StageActors:
     def log_stacks(self) -> None:
         """Log every worker's thread stacks: where a stuck step waits."""
         refs = [w.stacks.remote() for w in self.all_workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)  # 5 s for all of them
         for worker_index, ref in enumerate(refs):
             pp_rank, tp_rank = divmod(worker_index, self.tp_size)
             try:
-                stacks = ray.get(ref, timeout=5.0)
+                stacks = ray.get(ref, timeout=0) if ref in ready else "(no answer within 5 s)"
             except Exception as e:  # noqa: BLE001 - a report, not a requirement
                 stacks = f"(unavailable: {first_line(e)})"
             logger.error("stuck step: stacks of stage %d (tp rank %d):\n%s", pp_rank, tp_rank,

@@ -58,6 +58,7 @@ def main() -> None:
 
 def _run(args: argparse.Namespace, ray, cluster) -> dict:
     from raypp import LLM, SamplingParams
+    from raypp.testing import wait_suspended
 
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids.split(";")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -70,7 +71,7 @@ def _run(args: argparse.Namespace, ray, cluster) -> dict:
         report["tokens"] = [o.outputs[0].token_ids for o in llm.generate(inputs, params)]
         if args.kill_remote:
             remote = next(i for i, n in enumerate(report["nodes"]) if n != report["head_node"])
-            _wait_idle(executor)
+            wait_suspended(executor)
             ray.kill(executor.all_workers[remote], no_restart=True)
             report["after_kill_tokens"] = [o.outputs[0].token_ids
                                            for o in llm.generate(inputs, params, use_tqdm=False)]
@@ -78,7 +79,7 @@ def _run(args: argparse.Namespace, ray, cluster) -> dict:
             report["nodes_after_kill"] = ray.get([w.node_id.remote()
                                                   for w in llm.engine.executor.all_workers])
         if args.lose_node:
-            _wait_idle(llm.engine.executor)
+            wait_suspended(llm.engine.executor)
             cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
             lost_at = time.monotonic()
             outs: list = []
@@ -96,13 +97,6 @@ def _run(args: argparse.Namespace, ray, cluster) -> dict:
         if args.soak_s > 0:
             report["soak"] = _soak(llm, inputs, args.soak_s)
     return report
-
-
-def _wait_idle(executor) -> None:
-    """Until the idle graph is suspended: no step and no compiled-graph channel left."""
-    deadline = time.monotonic() + 30
-    while not executor.suspended and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _soak(llm, inputs, seconds: float) -> dict:
