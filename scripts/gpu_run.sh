@@ -2,6 +2,8 @@
 # One device call (benchmarks/gpu/README.md): install the carried wheels (.whl/), run the
 # CUDA tests, then the decode benchmark in the time left. Results go to $OUT.
 #   bash scripts/gpu_run.sh [TOTAL_SECONDS=560] [PYTEST_SECONDS=200 (0: skip the tests)]
+# Optional: TESTS (pytest arguments; default: both CUDA test modules), SECTIONS (the
+# benchmark's --sections; default: all).
 # The benchmark needs ~300 s and the tests ~300 s: run them in separate calls
 # (benchmark only: 575 0; tests only: a total the tests use up, e.g. 340 320).
 set -u
@@ -16,7 +18,9 @@ chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/ra
 export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
 if [ "${2:-200}" -gt 0 ]; then
-  timeout "${2:-200}" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rfE 2>&1 \
+  # shellcheck disable=SC2086 # TESTS is a list of pytest arguments
+  timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_fused_decode.py} \
+    -q -p no:cacheprovider -rfE 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
 fi
 BUDGET=$((TOTAL - 30 - $(date +%s) + START))
@@ -26,5 +30,5 @@ if [ "$BUDGET" -lt 60 ]; then
 fi
 echo "benchmark budget ${BUDGET} s"
 timeout $((BUDGET + 25)) python3 -m raypp.bench.gpu_decode --out "$OUT" --budget-s "$BUDGET" \
-  > "$OUT/log.txt" 2>&1
+  ${SECTIONS:+--sections "$SECTIONS"} > "$OUT/log.txt" 2>&1
 tail -c 6000 "$OUT/log.txt"

@@ -148,7 +148,8 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward):
                           hidden_size=mc.hidden_size, dtype=torch.float32,
                           device=torch.device("cuda"), compile_forward=compile_forward).capture()
     assert graphs.compile_error is None
-    assert graphs.compiled_sizes == ([8, 4, 2, 1] if compile_forward else [])
+    assert graphs.compiled_sizes == ([8, 4, 2] if compile_forward else [])
+    assert graphs.fused_sizes == [1]  # batch 1: the fused kernel chain (model.fused_decode)
     for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
         step = StepInput(
@@ -188,32 +189,37 @@ def _hf_greedy(model_dir, prompts, max_tokens, dtype):
     return outs
 
 
-@pytest.mark.parametrize("eager,decode_steps", [(False, 1), (True, 1), (False, 8), (True, 5)])
+@pytest.mark.parametrize("eager,decode_steps,max_num_seqs",
+                         [(False, 1, 4), (True, 1, 4), (False, 8, 4), (True, 5, 4), (False, 1, 1),
+                          (False, 8, 1)])
 def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, eager,
-                                          decode_steps):
+                                          decode_steps, max_num_seqs):
     """Greedy fp32 generation on the GPU equals transformers', with and without graphs,
-    one decode step per round trip or several."""
+    one decode step per round trip or several; one sequence at a time runs the fused
+    batch-1 chain."""
     from raypp import LLM, SamplingParams
 
     monkeypatch.setenv("RAYPP_ENFORCE_EAGER", "1" if eager else "0")
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-              max_num_seqs=4, num_decode_steps=decode_steps)
+              max_num_seqs=max_num_seqs, num_decode_steps=decode_steps)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         worker = llm.engine.executor.workers[0][0]
-        replays = ray_cluster.get(worker.__ray_call__.remote(
-            lambda w: -1 if w.decode_graphs is None else w.decode_graphs.replays))
+        replays, fused = ray_cluster.get(worker.__ray_call__.remote(
+            lambda w: (-1, None) if w.decode_graphs is None else
+            (w.decode_graphs.replays, w.decode_graphs.fused_sizes)))
     finally:
         llm.shutdown()
     got = [o.outputs[0].token_ids for o in outs]
     assert got == _hf_greedy(str(tiny_llama), prompts, 24, torch.float32)
-    assert (replays == -1) if eager else (replays > 0)
+    assert (replays == -1) if eager else (replays > 0 and fused == [1])
 
 
+@pytest.mark.parametrize("max_num_seqs", [4, 1])  # 1: the fused batch-1 chain
 @pytest.mark.parametrize("dtype,tie", [("bfloat16", 0.15), ("float16", 0.05)])
-def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie):
+def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie, max_num_seqs):
     """bf16/fp16 weights end to end (graphs, 4 decode steps per call), teacher-forced on
     raypp's tokens: raypp's top-5 logprobs are as close to transformers' fp32 as
     transformers' own half-precision logprobs are (relative error at most 1.5x theirs,
@@ -226,7 +232,7 @@ def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     with LLM(str(tiny_llama), device="cuda", dtype=dtype, gpu_memory_utilization=0.3,
-             max_num_seqs=4, num_decode_steps=4) as llm:
+             max_num_seqs=max_num_seqs, num_decode_steps=4) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     def hf_logprobs(torch_dtype: torch.dtype) -> list[torch.Tensor]:

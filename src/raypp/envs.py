@@ -91,6 +91,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1 (default): the decode forward captured in CUDA graphs is torch.compile-d first "
         "(fused element-wise kernels). 0: capture the eager forward.",
     ),
+    "RAYPP_FUSED_DECODE": (
+        _bool("RAYPP_FUSED_DECODE", "1"),
+        "1 (default): the batch-1 decode CUDA graph captures the fused Triton kernel chain "
+        "(raypp.model.fused_decode; GEMVs chained with programmatic dependent launch on "
+        "Hopper). 0: it captures the same forward as the other sizes.",
+    ),
     "RAYPP_PLACEMENT_STRATEGY": (
         _str("RAYPP_PLACEMENT_STRATEGY", "PACK"),
         "Placement-group strategy for the stage bundles: PACK (default), SPREAD, "

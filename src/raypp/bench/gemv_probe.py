@@ -1,14 +1,15 @@
-"""Is a Triton GEMV faster than cuBLAS for the batch-1 decode projections?
+"""Batch-1 projections: raypp's Triton GEMV (with and without programmatic dependent
+launch) against cuBLAS, per shape and as the 16-layer chain of a decode step.
 
     python -m raypp.bench.gemv_probe --out DIR
 
-``y = x @ w.T`` for ``x`` of 1–8 rows: each program owns ``BLOCK_N`` rows of
-``w``, streams them over ``K`` once for all of ``x``'s rows and keeps fp32 sums.
-The probe times it against ``F.linear`` on the 1B shape's projections inside
-CUDA graphs (as in a decode replay), over every config in ``GEMV_CONFIGS``.
-Result (H200, ``benchmarks/gpu/README.md``, run 4): the same as cuBLAS within
-±4 % except the o projection (1.3×) and the LM head (1.07×); both are bound by
-a fixed ~5 µs per small kernel, not by bandwidth, so raypp keeps cuBLAS.
+Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down): every
+GEMV setting in ``CONFIGS`` without PDL, the four fastest again with PDL, and
+``F.linear`` (plus ``F.silu(gate) * up``), each as 24 launches over different weights
+in one CUDA graph. Then the layer chain without attention (norm, qkv, o, norm,
+gate/up, down; 16 layers, 1.95 GB of weights) with cuBLAS, with the GEMV at
+:func:`raypp.model.triton_decode.gemv_config`'s settings, and with the per-shape best.
+Results: benchmarks/gpu/README.md (run 7).
 """
 
 from __future__ import annotations
@@ -16,103 +17,125 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
 from raypp.bench.gpu_decode import _time_cuda, bandwidth, log
+from raypp.model.triton_decode import gemv, rms_norm
+
+HIDDEN, INTER, QKV, LAYERS = 2048, 8192, 3072, 16
+SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False),
+          "gate_up": (INTER, HIDDEN, True), "down": (HIDDEN, INTER, False)}
+CONFIGS = [(bn, bk, warps) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048)
+           for warps in (4, 8)]
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask, m_mask = rn < N, rm < M
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + rk) < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 8, block_k: int = 512,
-         num_warps: int = 4) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` ``[M <= 8, K]`` and ``w`` ``[N, K]``, both contiguous."""
-    m, k = x.shape
-    n = w.shape[0]
-    assert m <= 8 and w.shape[1] == k and x.is_contiguous() and w.is_contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps)
-    return y
-
-
-GEMV_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
-               "down": (2048, 8192), "lm_head": (128256, 2048)}
-GEMV_CONFIGS = [(bn, bk, nw) for bn in (4, 8, 16) for bk in (256, 512, 1024) for nw in (2, 4, 8)]
-
-
-def _probe_shape(n: int, k: int, bw: float) -> dict[str, Any]:
-    import torch.nn.functional as F
-
-    copies = max(2, -(-(512 << 20) // (2 * n * k)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    ref = F.linear(x.float(), ws[0].float())
-
-    def graphed(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
-        fn(ws[0])
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(24):
-                fn(ws[i % len(ws)])
-        return _time_cuda(graph.replay, 10) / 24
-
-    res: dict[str, Any] = {"bytes": 2 * n * k}
-    t = graphed(lambda w: F.linear(x, w))
-    res["cublas_us"] = round(1e6 * t, 2)
-    res["cublas_TBps"] = round(2 * n * k / t / 1e12, 2)
-    best = None
-    for bn, bk, nw in GEMV_CONFIGS:
-        tag = f"{bn}x{bk}w{nw}"
-        try:
-            err = _rel_err(gemv(x, ws[0], bn, bk, nw).float(), ref)
-            if err > 1e-2:
-                res[tag] = f"wrong: rel err {err:.3g}"
-                continue
-            t = graphed(lambda w, bn=bn, bk=bk, nw=nw: gemv(x, w, bn, bk, nw))
-        except Exception as e:  # noqa: BLE001 - a config that does not compile
-            res[tag] = type(e).__name__
-            continue
-        if best is None or t < best[0]:
-            best = (t, tag)
-    if best:
-        res["triton_best_us"] = round(1e6 * best[0], 2)
-        res["triton_best_TBps"] = round(2 * n * k / best[0] / 1e12, 2)
-        res["triton_best_config"] = best[1]
-        res["speedup_vs_cublas"] = round(res["cublas_us"] / res["triton_best_us"], 3)
-    res["ideal_us_at_copy_bw"] = round(1e6 * 2 * n * k / (bw * 1e9), 2)
-    return res
+def _graph_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """Seconds per ``fn`` call, from a CUDA graph of ``reps`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return _time_cuda(graph.replay, 20) / reps
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def shape_sweep(bw_gbps: float) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name, (n, k, gated) in SHAPES.items():
+        rows = 2 * n if gated else n
+        copies = max(2, -(-(600 << 20) // (2 * rows * k)))  # more than fits in L2
+        ws = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.double(), ws[0].double())
+        if gated:
+            ref = F.silu(ref[:, :n]) * ref[:, n:]
+        turn = count()
+
+        def cublas(ws=ws, x=x, turn=turn, gated=gated, n=n) -> torch.Tensor:
+            y = F.linear(x, ws[next(turn) % len(ws)])
+            return F.silu(y[:, :n]) * y[:, n:] if gated else y
+
+        r: dict[str, Any] = {"bytes": 2 * rows * k,
+                             "ideal_us": round(2 * rows * k / bw_gbps / 1e3, 2),
+                             "cublas_us": round(1e6 * _graph_seconds(cublas, 24), 2)}
+        plain: dict[tuple[int, int, int], float] = {}
+        for pdl in (False, True):
+            configs = sorted(plain, key=plain.get)[:4] if pdl else [
+                c for c in CONFIGS if c[1] <= k and c[0] * c[1] <= (8192 if gated else 16384)]
+            best = None
+            for cfg in configs:
+                err = _rel_err(gemv(x, ws[0], None, gated, pdl, cfg), ref)
+                if err > 1e-2:
+                    r[f"{cfg} pdl={pdl}"] = f"wrong: rel err {err:.3g}"
+                    continue
+                t = _graph_seconds(lambda cfg=cfg, pdl=pdl, ws=ws, x=x, turn=turn, gated=gated:
+                                   gemv(x, ws[next(turn) % len(ws)], None, gated, pdl, cfg), 24)
+                if not pdl:
+                    plain[cfg] = t
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best:
+                r["pdl" if pdl else "plain"] = {
+                    "us": round(1e6 * best[0], 2), "config": best[1],
+                    "TBps": round(2 * rows * k / best[0] / 1e12, 2)}
+        res[name] = r
+        log(f"gemv {name}: {r}")
+        del ws
+        torch.cuda.empty_cache()
+    return res
+
+
+def layer_chain(shapes: dict[str, Any], bw_gbps: float) -> dict[str, Any]:
+    """16 layers at batch 1 without attention: norm → qkv → o(q) → norm → gate_up → down."""
+    dev, dt = "cuda", torch.bfloat16
+    layers = [{"qkv": torch.randn(QKV, HIDDEN, device=dev, dtype=dt) * 0.02,
+               "o": torch.randn(HIDDEN, HIDDEN, device=dev, dtype=dt) * 0.02,
+               "gate_up": torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) * 0.02,
+               "down": torch.randn(HIDDEN, INTER, device=dev, dtype=dt) * 0.02,
+               "norm": torch.ones(HIDDEN, device=dev, dtype=dt)} for _ in range(LAYERS)]
+    h0 = torch.randn(1, HIDDEN, device=dev, dtype=dt)
+    weight_bytes = sum(t.numel() * t.element_size() for layer in layers for t in layer.values())
+
+    def run(kind: str, pdl: bool = False, configs: dict | None = None) -> torch.Tensor:
+        h, res = h0, None
+        configs = configs or {}
+        for w in layers:
+            x, res = rms_norm(h, res, w["norm"], 1e-5, pdl)
+            if kind == "cublas":
+                o = F.linear(F.linear(x, w["qkv"])[:, :HIDDEN], w["o"])
+            else:
+                qkv = gemv(x, w["qkv"], None, False, pdl, configs.get("qkv"))
+                o = gemv(qkv[:, :HIDDEN], w["o"], None, False, pdl, configs.get("o"))
+            x, res = rms_norm(o, res, w["norm"], 1e-5, pdl)
+            if kind == "cublas":
+                gu = F.linear(x, w["gate_up"])
+                h = F.linear(F.silu(gu[:, :INTER]) * gu[:, INTER:], w["down"])
+            else:
+                h = gemv(gemv(x, w["gate_up"], None, True, pdl, configs.get("gate_up")),
+                         w["down"], None, False, pdl, configs.get("down"))
+        return h
+
+    out: dict[str, Any] = {"weight_bytes": weight_bytes,
+                           "ideal_us": round(weight_bytes / bw_gbps / 1e3, 1),
+                           "cublas_us": round(1e6 * _graph_seconds(lambda: run("cublas"), 1), 1)}
+    best = {k: tuple(v["pdl"]["config"]) for k, v in shapes.items() if "pdl" in v}
+    for tag, pdl, configs in (("triton_default", False, None), ("triton_default_pdl", True, None),
+                              ("triton_best_pdl", True, best)):
+        out[f"{tag}_us"] = round(1e6 * _graph_seconds(lambda p=pdl, c=configs: run("t", p, c), 1),
+                                 1)
+    log(f"layer chain: {out}")
+    return out
 
 
 def main() -> None:
@@ -122,12 +145,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = bandwidth()["copy_GBps"]
-    res = {}
-    for name, (n, k) in GEMV_SHAPES.items():
-        res[name] = r = _probe_shape(n, k, bw)
-        log(f"gemv {name}: {r.get('cublas_us')} us cuBLAS vs {r.get('triton_best_us')} us "
-            f"Triton ({r.get('triton_best_config')})")
-        torch.cuda.empty_cache()
+    res: dict[str, Any] = {"copy_GBps": round(bw, 1), "shapes": shape_sweep(bw)}
+    res["layer_chain"] = layer_chain(res["shapes"], bw)
     (out / "gemv_probe.json").write_text(json.dumps(res, indent=1))
 
 

@@ -198,7 +198,8 @@ def _graphs_of(worker: Any) -> dict[str, Any] | None:
     if g is None:
         return None
     return {"replays": g.replays, "sizes": len(g.sizes), "compiled_sizes": len(g.compiled_sizes),
-            "compile_error": g.compile_error, "capture_s": round(g.capture_seconds, 1)}
+            "compile_error": g.compile_error, "fused_sizes": g.fused_sizes,
+            "fused_unsupported": g.fused_unsupported, "capture_s": round(g.capture_seconds, 1)}
 
 
 def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -> dict[str, Any]:
@@ -443,6 +444,7 @@ def _stage_batch(h: StageHarness, batch: int, weight_bytes: int, bw: float) -> d
             eager = _time_cuda(lambda: w._logits(step, None), 10)
         finally:
             w.decode_graphs = graphs_off
+        unfused = _unfused_replay(w, step) if g in graphs.fused_sizes else None
     walls.sort()
     wall = walls[len(walls) // 2]
     kv_bytes = batch * ctx * _kv_bytes_per_token(w)
@@ -453,6 +455,7 @@ def _stage_batch(h: StageHarness, batch: int, weight_bytes: int, bw: float) -> d
         f"multi_step_{MULTI_STEPS}_ms_per_step": round(1e3 * multi, 3),
         f"multi_step_{MULTI_STEPS}_tok_s": round(batch / multi, 1),
         "graph_replay_with_lm_head_ms": round(1e3 * replay, 3),
+        "graph_replay_unfused_ms": unfused and round(1e3 * unfused, 3),
         "forward_ms(staging+replay)": round(1e3 * fwd, 3),
         "sample_ms": round(1e3 * sampling, 3),
         "eager_forward_and_head_ms": round(1e3 * eager, 3),
@@ -466,6 +469,22 @@ def _stage_batch(h: StageHarness, batch: int, weight_bytes: int, bw: float) -> d
     }
 
 
+def _unfused_replay(w: Any, step: Any) -> float:
+    """Replay seconds of the compiled forward's graph (what batch 1 captured before the
+    fused chain, ``RAYPP_FUSED_DECODE=0``) on the same step, weights and caches."""
+    from raypp.executor.cuda_graphs import DecodeGraphs
+
+    g = w.decode_graphs
+    other = DecodeGraphs(w.model, w.kv_caches, is_first=g.is_first, is_last=g.is_last,
+                         max_num_seqs=step.num_seqs, max_blocks_per_seq=g.buffers.width,
+                         hidden_size=w.config.model.hidden_size, dtype=w.config.model.torch_dtype,
+                         device=w.device, sizes=[step.num_seqs], fused_batch1=False).capture()
+    other.load(step)
+    seconds = _time_cuda(other._graphs[step.num_seqs].replay, 20)
+    del other
+    return seconds
+
+
 def _kv_bytes_per_token(w: Any) -> int:
     cache = w.kv_caches[0]  # [2, blocks, block_size, kv_heads, dim]
     per_layer = 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
@@ -473,13 +492,13 @@ def _kv_bytes_per_token(w: Any) -> int:
 
 
 _CATEGORIES = (
-    ("attention: paged decode (Triton)", ("_paged_decode", "_combine_kernel")),
+    ("attention: paged decode (Triton)", ("_paged_decode", "_combine_kernel", "_rope_decode")),
     ("kv cache store (Triton)", ("_store_kv",)),
-    ("gemm / gemv (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk",
-                              "cublas", "matmul")),
+    ("gemm / gemv (cuBLAS; Triton GEMV at batch 1)",
+     ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "cublas", "matmul")),
     ("memcpy / memset", ("memcpy", "memset")),
     ("argmax / sampling", ("argmax", "sort", "topk", "softmax", "cumsum", "log_")),
-    ("elementwise: norm, rotary, silu, casts", ("elementwise", "vectorized", "reduce",
+    ("elementwise: norm, rotary, silu, casts", ("elementwise", "vectorized", "reduce", "_rms_norm",
                                                 "unrolled", "index", "cat", "copy", "fill",
                                                 "embedding")),
 )

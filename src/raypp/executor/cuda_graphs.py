@@ -12,6 +12,8 @@ Inductor fuses the many small element-wise kernels of a layer (RMSNorm, rotary,
 SiLU·mul, casts) while the paged attention stays one opaque custom op. One
 compilation with a dynamic batch dimension serves every size (plus one for batch
 1); a size whose compilation fails is captured from the eager forward instead.
+Batch 1 captures the fused Triton kernel chain of :mod:`raypp.model.fused_decode`
+instead, where the model allows it (``fused_batch1``, ``RAYPP_FUSED_DECODE``).
 
 Every tensor a graph reads lives in :class:`StaticBuffers`. The per-step integer
 inputs (ids, positions, slots, lengths, block tables) are written into one
@@ -102,7 +104,7 @@ class DecodeGraphs:
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], *, is_first: bool,
                  is_last: bool, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None,
-                 compile_forward: bool = True):
+                 compile_forward: bool = True, fused_batch1: bool = True):
         self.model = model
         self.kv_caches = kv_caches
         self.is_first, self.is_last = is_first, is_last
@@ -118,6 +120,12 @@ class DecodeGraphs:
         self._compiled = torch.compile(decode_forward, fullgraph=True) if compile_forward else None
         self.compiled_sizes: list[int] = []  # sizes whose graph holds the compiled forward
         self.compile_error: str | None = None
+        self.fused_sizes: list[int] = []  # sizes whose graph holds the fused kernel chain
+        from raypp.model import fused_decode  # imports Triton: CUDA only
+
+        self._fused_forward = fused_decode.fused_decode_forward
+        self.fused_unsupported = (fused_decode.unsupported_reason(model) if fused_batch1
+                                  else "disabled")
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
         self.capture_seconds = 0.0
 
@@ -133,6 +141,10 @@ class DecodeGraphs:
     def _warm(self, g: int) -> Any:
         """Run size ``g`` once outside capture (compiling it); returns the forward to capture."""
         args = self._args(g)
+        if g == 1 and self.fused_unsupported is None:
+            self._fused_forward(*args)
+            self.fused_sizes.append(g)
+            return self._fused_forward
         if self._compiled is not None and self.compile_error is None:
             if g >= 2:  # one graph with a symbolic batch serves every size >= 2
                 for t in args[2:]:
@@ -168,9 +180,9 @@ class DecodeGraphs:
             self._graphs[g] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
-        logger.info("captured %d decode CUDA graphs (batch %d..%d, %d compiled) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_size, len(self.compiled_sizes),
-                    self.capture_seconds)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d, %d compiled, %d fused) in "
+                    "%.1f s", len(self.sizes), self.sizes[0], self.max_size,
+                    len(self.compiled_sizes), len(self.fused_sizes), self.capture_seconds)
         return self
 
     # -- replay ----------------------------------------------------------------------------

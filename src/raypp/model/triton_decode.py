@@ -1,0 +1,304 @@
+"""Triton kernels of the single-sequence decode chain (:mod:`raypp.model.fused_decode`).
+
+- :func:`rms_norm`: ``x (+ residual)`` RMS-normalized in one program per row; the sum
+  is written as the new residual.
+- :func:`gemv`: ``x @ w.T (+ bias)`` for one row of ``x``; each program owns a few rows
+  of ``w`` and streams them over ``K``. ``gated`` computes ``silu(x @ gate.T) *
+  (x @ up.T)`` from a fused gate/up weight (gate rows first).
+- :func:`rope_decode_attention`: one decode step of a layer from the raw qkv
+  projection: rotary on q and k, k/v stored in the paged cache, attention of q over
+  the cached context plus this step's k/v (taken from registers, so no program reads
+  a slot another one is writing), split over the context like
+  :func:`raypp.model.triton_attention.paged_decode`, then the split combine.
+
+On Hopper and later (compute capability 9+) every kernel here is launched with
+programmatic dependent launch (PDL): it lets the next kernel in the stream start
+early (``gdc_launch_dependents``), loads only what no earlier kernel of the step
+writes (weights, rotary tables, graph inputs) and then waits for its predecessor
+(``gdc_wait``) before reading that predecessor's output. A decode step is a chain of
+small memory-bound kernels, and this hides each one's start-up behind the previous
+one's tail. Earlier GPUs get the same kernels without PDL.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from raypp.model.triton_attention import _combine_kernel, _pad, num_splits
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# -- RMSNorm ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n,
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # the sum is rounded to the model dtype, as the residual stream is
+        x = x + tl.load(res_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * n + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    y = w * (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * norm(s), s)`` with ``s = x + residual`` (``x`` when no residual);
+    rows of ``x`` contiguous. Matches :class:`raypp.model.layers.RMSNorm`."""
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, res_out, eps, n,
+        BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
+    return out, res_out
+
+
+# -- GEMV -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < n
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rows = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+    up_rows = rows + n * K  # gated: the up rows follow all gate rows
+    # the first tile of weights is loaded before waiting for the previous kernel
+    mask = n_mask[:, None] & (rk[None, :] < K)
+    w = tl.load(rows, mask=mask, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        u = tl.load(up_rows, mask=mask, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if GATED:
+            acc_up += tl.sum(u.to(tl.float32) * x[None, :], 1)
+        if k0 + BLOCK_K < K:
+            mask = n_mask[:, None] & (k0 + BLOCK_K + rk[None, :] < K)
+            w = tl.load(rows + k0 + BLOCK_K, mask=mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                u = tl.load(up_rows + k0 + BLOCK_K, mask=mask, other=0.0,
+                            eviction_policy="evict_first")
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if GATED:  # rounded where the unfused F.silu(gate) * up rounds
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * \
+            acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rn, acc.to(dtype), mask=n_mask)
+
+
+def gemv_config(n: int, k: int, gated: bool, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(rows of w per program, K per tile, warps)``: the fastest settings of an H200
+    sweep at the Llama-3.2-1B shapes with PDL (``raypp.bench.pdl_probe``; benchmarks/gpu
+    run 7), by shape class; tiles halve for 4-byte weights."""
+    if gated:
+        bn, bk, warps = 4, 512, 4
+    elif k >= 4096:
+        bn, bk, warps = 2, 2048, 8
+    elif n > k:
+        bn, bk, warps = 2, 1024, 4
+    else:
+        bn, bk, warps = 4, 2048, 4
+    bk = min(bk // (2 if dtype.itemsize > 2 else 1), triton.next_power_of_2(k))
+    return bn, bk, warps
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+         pdl: bool, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``x`` of one contiguous row ``[1, K]``; ``gated``:
+    ``silu(x @ w[:n].T) * (x @ w[n:].T)`` with ``n = w.shape[0] // 2``. ``config``
+    overrides :func:`gemv_config` (powers of two)."""
+    assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous()
+    k = w.shape[1]
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    bn, bk, warps = config or gemv_config(n, k, gated, w.dtype)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, w, bias if bias is not None else w, out, n, K=k, BLOCK_N=bn, BLOCK_K=bk,
+        GATED=gated, HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out
+
+
+# -- rotary + KV store + paged decode attention -----------------------------------------------
+
+
+@triton.jit
+def _rope_decode_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale, part_tokens, num_splits, stride_qkv, stride_rope, stride_bt, stride_ot,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half's source
+    # graph inputs and rotary tables: nothing earlier in the step writes them
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    dtype = key_cache_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)  # the tables in the model dtype, as the unfused path
+    sin = tl.where(offs_d < half, -1.0, 1.0) * sin.to(dtype).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+    row = qkv_ptr + seq * stride_qkv
+    qg_mask = g_mask[:, None] & d_mask[None, :]
+    q_at = row + heads[:, None] * HEAD_DIM
+    q = tl.load(q_at + offs_d[None, :], mask=qg_mask, other=0.0).to(tl.float32)
+    q_partner = tl.load(q_at + partner[None, :], mask=qg_mask, other=0.0).to(tl.float32)
+    q = (q * cos[None, :] + q_partner * sin[None, :]).to(dtype)
+    k_at = row + NUM_HEADS * HEAD_DIM + kv_head * HEAD_DIM
+    k_new = tl.load(k_at + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    k_partner = tl.load(k_at + partner, mask=d_mask, other=0.0).to(tl.float32)
+    k_new = (k_new * cos + k_partner * sin).to(dtype)
+    v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kv_head * HEAD_DIM + offs_d,
+                    mask=d_mask, other=0.0)
+    kv_row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    if (split == 0) & (slot >= 0):
+        tl.store(key_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, k_new, mask=d_mask)
+        tl.store(value_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, v_new,
+                 mask=d_mask)
+
+    # the context cached before this step: [0, seq_len - 1), this split's part of it
+    cached = seq_len - 1
+    start = split * part_tokens
+    end = tl.minimum(start + part_tokens, cached)
+    table = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        toks = n0 + tl.arange(0, BLOCK)
+        t_mask = toks < end
+        page = tl.load(table + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slots = page * BLOCK_SIZE + toks % BLOCK_SIZE
+        kv_offs = slots[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if IEEE:  # noqa: SIM108 - constexpr branch; fp32 models get exact fp32, not tf32
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(t_mask[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:  # noqa: SIM108 - constexpr branch
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    # this step's token, in the split whose range holds its index
+    if (seq_len > 0) & (split == cached // part_tokens):
+        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+
+    if SINGLE:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qg_mask)
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * DIM_PAD + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+
+
+def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                          scale: float, pdl: bool, splits: int | None = None) -> torch.Tensor:
+    """A layer's decode step from its qkv projection ``[seqs, (heads + 2 kv_heads) * dim]``:
+    neox rotary at ``positions`` (tables ``cos``/``sin`` ``[max_pos, dim]``), k/v written
+    at ``slot_mapping`` (negative: skipped), attention over ``seq_lens`` tokens (this
+    step's included; 0: a padding row, zeros out). Returns ``[seqs, heads * dim]``.
+    ``splits`` overrides :func:`num_splits`'s choice."""
+    seqs = qkv.shape[0]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    assert qkv.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    out = torch.empty(seqs, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    max_tokens = block_tables.shape[1] * block_size
+    splits = splits or num_splits(seqs, num_kv_heads, max_tokens, qkv.device)
+    part_tokens = -(-max_tokens // splits)
+    dim_pad = _pad(head_dim)
+    group = num_heads // num_kv_heads
+    single = splits == 1
+    if single:
+        part_out = part_max = part_sum = out  # unused
+    else:
+        part_out = torch.empty(seqs * num_heads * splits, dim_pad, dtype=torch.float32,
+                               device=qkv.device)
+        part_max = torch.empty(seqs * num_heads * splits, dtype=torch.float32, device=qkv.device)
+        part_sum = torch.empty_like(part_max)
+    _rope_decode_kernel[(seqs, num_kv_heads, splits)](
+        qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+        out, part_out, part_max, part_sum, scale, part_tokens, splits,
+        qkv.stride(0), cos.stride(0), block_tables.stride(0), out.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=64, SINGLE=single,
+        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
+    if not single:
+        _combine_kernel[(seqs, num_heads)](
+            part_out, part_max, part_sum, out, splits, out.stride(0), head_dim,
+            NUM_HEADS=num_heads, SPLITS_PAD=32, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PDL=pdl,
+            num_warps=2, launch_pdl=pdl)
+    return out
