@@ -124,7 +124,9 @@ def test_mixed_batch_matches_cpu_path():
 
 @pytest.mark.parametrize("compile_forward", [True, False])
 def test_decode_graphs_match_eager(tiny_llama, compile_forward):
-    """Graph replays (with padding rows) give the eager forward's logits."""
+    """Graph replays (with padding rows) give the eager unfused forward's logits."""
+    from dataclasses import replace
+
     from raypp.config import ModelConfig
     from raypp.engine.step import StepInput
     from raypp.executor.cuda_graphs import DecodeGraphs, capture_sizes
@@ -165,7 +167,8 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward):
             after_graph = [c.clone() for c in caches]
             for c, b in zip(caches, before, strict=True):
                 c.copy_(b)
-            meta = _attention_metadata(step, torch.device("cuda"))
+            # the reference takes the unfused path: rotary, then store + decode kernels
+            meta = replace(_attention_metadata(step, torch.device("cuda")), decode_only=False)
             positions = torch.tensor(step.positions, device="cuda")
             ids = torch.tensor(step.input_ids, device="cuda")
             want = model.compute_logits(model(positions, meta, caches, input_ids=ids)[0])

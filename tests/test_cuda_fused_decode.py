@@ -81,7 +81,7 @@ def test_rope_decode_attention_matches_unfused(dtype, tol, heads, kv_heads, dim,
     """Rotary + KV store + attention from the raw qkv row == RotaryEmbedding then the
     paged decode op: same outputs, same cache; a padding row (slot -1, no context)
     writes nothing and gives zeros; a row whose only context is this step's token."""
-    from raypp.model import triton_attention as ta  # noqa: F401 - registers the custom op
+    from raypp.model import triton_attention as ta
     from raypp.model.layers import RotaryEmbedding
     from raypp.model.triton_decode import rope_decode_attention
 
@@ -101,9 +101,9 @@ def test_rope_decode_attention_matches_unfused(dtype, tol, heads, kv_heads, dim,
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k = rotary(positions, q.reshape(rows, heads, dim), k.reshape(rows, kv_heads, dim))
     want_cache = cache.clone()
-    want = torch.ops.raypp.paged_decode_attention(
-        q, k, v.reshape(rows, kv_heads, dim), want_cache, slot_mapping, tables, seq_lens,
-        dim**-0.5)
+    ta.store_kv(k, v.reshape(rows, kv_heads, dim), want_cache[0], want_cache[1], slot_mapping)
+    want = ta.paged_decode(q, want_cache[0], want_cache[1], tables, seq_lens, dim**-0.5)
+    want = want.reshape(rows, heads * dim)
     for pdl in _pdl_modes():
         got_cache = cache.clone()
         got = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, got_cache,

@@ -86,6 +86,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # hidden: [tokens, hidden]
         qkv = self.qkv_proj(hidden)
+        if meta.decode_only and qkv.is_cuda:  # rotary, KV store and attention: one kernel
+            from raypp.model.triton_decode import rope_decode_attention_op
+
+            return self.o_proj(rope_decode_attention_op(
+                qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.attn.scale))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

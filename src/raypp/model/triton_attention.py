@@ -10,15 +10,11 @@ Cache layout per layer (as :class:`raypp.model.layers.PagedAttention`):
   that kv head's GQA group, reads the keys/values of its blocks in place (no
   gather into a contiguous copy) and keeps an online softmax in fp32; a second
   kernel combines the splits. A row with context length 0 gives zeros.
-- :func:`paged_attention` is the whole layer step: store, then the decode kernel
-  for one-token rows and ``scaled_dot_product_attention`` (flash / efficient
-  backends) per multi-token sequence.
-
-Everything here is capturable in a CUDA graph when ``meta.decode_only``: no host
-synchronization, and launch shapes depend only on tensor shapes, never values.
-The decode step is the custom op ``torch.ops.raypp.paged_decode_attention`` so
-that ``torch.compile`` (see :mod:`raypp.executor.cuda_graphs`) treats it as one
-opaque call and fuses only the code around it.
+- :func:`paged_attention` is a layer's step with prefill rows: store, then the
+  decode kernel for one-token rows and ``scaled_dot_product_attention`` (flash /
+  efficient backends) per multi-token sequence. Decode-only steps take
+  :mod:`raypp.model.triton_decode`'s fused op instead (rotary, store and this
+  decode algorithm in one kernel, plus the split combine), which CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -265,39 +261,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend; returns [tokens, heads * dim].
 
-    ``meta`` is a :class:`raypp.model.layers.AttentionMetadata`. With
-    ``meta.decode_only`` only tensors of ``meta`` are read (graph-capturable and
-    traceable by ``torch.compile``); otherwise its Python lists drive a
-    per-sequence prefill.
+    ``meta`` is a :class:`raypp.model.layers.AttentionMetadata`; its Python lists
+    drive a per-sequence prefill (not graph-capturable).
     """
     # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]
-    if meta.decode_only:
-        return torch.ops.raypp.paged_decode_attention(
-            q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor, scale)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
     return _mixed(q, k, v, key_cache, value_cache, meta, scale).reshape(q.shape[0], -1)
-
-
-# The cache write is deliberately not declared in mutates_args: the caches are inputs
-# of a compiled decode graph, and functionalizing a multi-GB in-place write would make
-# the compiler copy the cache. Nothing else in a graph reads a layer's cache.
-@torch.library.custom_op("raypp::paged_decode_attention", mutates_args=())
-def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One decode step of a layer: write k/v at ``slot_mapping``, attend over the cache."""
-    # q: [seqs, heads, dim]; k, v: [seqs, kv_heads, dim] → [seqs, heads * dim]
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
-    out = paged_decode(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
-    return out.view(q.shape[0], -1)
-
-
-@paged_decode_attention.register_fake
-def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale):
-    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,

@@ -9,7 +9,10 @@
   projection: rotary on q and k, k/v stored in the paged cache, attention of q over
   the cached context plus this step's k/v (taken from registers, so no program reads
   a slot another one is writing), split over the context like
-  :func:`raypp.model.triton_attention.paged_decode`, then the split combine.
+  :func:`raypp.model.triton_attention.paged_decode`, then the split combine. It is
+  also the custom op ``torch.ops.raypp.rope_decode_attention`` that every decode-only
+  CUDA step of :class:`raypp.model.llama.Attention` calls (``torch.compile`` treats it
+  as one opaque call).
 
 On Hopper and later (compute capability 9+) every kernel here is launched with
 programmatic dependent launch (PDL): it lets the next kernel in the stream start
@@ -28,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raypp.model.triton_attention import _combine_kernel, _pad, num_splits
+from raypp.model.triton_attention import DEFAULT_LAUNCH, _combine_kernel, _pad, num_splits
 
 
 @functools.cache
@@ -294,11 +297,32 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         out, part_out, part_max, part_sum, scale, part_tokens, splits,
         qkv.stride(0), cos.stride(0), block_tables.stride(0), out.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=64, SINGLE=single,
-        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=DEFAULT_LAUNCH.block,
+        SINGLE=single, IEEE=qkv.dtype == torch.float32, PDL=pdl,
+        num_warps=4 if seqs == 1 else DEFAULT_LAUNCH.num_warps,  # batch 1: H200 sweep, run 6
+        num_stages=DEFAULT_LAUNCH.num_stages, launch_pdl=pdl)
     if not single:
         _combine_kernel[(seqs, num_heads)](
             part_out, part_max, part_sum, out, splits, out.stride(0), head_dim,
             NUM_HEADS=num_heads, SPLITS_PAD=32, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PDL=pdl,
             num_warps=2, launch_pdl=pdl)
     return out
+
+
+# The cache write is deliberately not declared in mutates_args: the caches are inputs
+# of a compiled decode graph, and functionalizing a multi-GB in-place write would make
+# the compiler copy the cache. Nothing else in a graph reads a layer's cache.
+@torch.library.custom_op("raypp::rope_decode_attention", mutates_args=())
+def rope_decode_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, num_heads: int, scale: float
+                             ) -> torch.Tensor:
+    """:func:`rope_decode_attention` with PDL where the GPU has it."""
+    return rope_decode_attention(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables,
+                                 seq_lens, num_heads, scale, pdl_supported(qkv.device))
+
+
+@rope_decode_attention_op.register_fake
+def _(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, num_heads, scale):
+    return qkv.new_empty((qkv.shape[0], num_heads * kv_cache.shape[-1]))
