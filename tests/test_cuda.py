@@ -310,3 +310,40 @@ def test_triton_advance_equals_torch_ops():
     gpu.advance(tokens.cuda(), block_size)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (300, 1000), (3, 4096)])
+def test_greedy_step_equals_argmax_then_advance(dtype, rows, vocab):
+    """The two-launch greedy step: torch's argmax (first index on ties, rows of -inf or
+    only negative logits), written into one column, and the inputs advanced as the CPU
+    ops advance them; the keys are left empty for the next step."""
+    from raypp.executor.decode_loop import DecodeInputs
+    from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
+
+    block_size, width = 16, 8
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    logits[0, vocab // 3] = logits[0, vocab - 5] = 100.0
+    if rows > 2:
+        logits[1] = float("-inf")
+        logits[2] = -logits[2].abs() - 1
+    positions = torch.randint(0, width * block_size - 1, (rows,), generator=gen)
+    cpu = DecodeInputs(torch.zeros(rows, dtype=torch.int64), positions.clone(),
+                       torch.zeros(rows, dtype=torch.int64), positions + 1,
+                       torch.randint(0, 1000, (rows, width), generator=gen))
+    gpu = DecodeInputs(*(t.cuda() for t in (cpu.input_ids, cpu.positions, cpu.slot_mapping,
+                                            cpu.seq_lens, cpu.block_tables)))
+    want = logits.argmax(dim=-1)
+    cpu.advance(want, block_size)
+    keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device="cuda")
+    out = torch.zeros(rows, 3, dtype=torch.int64, device="cuda")
+    greedy_step(logits.cuda(), keys, out[:, 1], gpu, block_size)
+    assert torch.equal(out[:, 1].cpu(), want)
+    assert not out[:, 0].any() and not out[:, 2].any()
+    assert bool((keys == EMPTY_KEY).all())
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    greedy_step(logits.cuda(), keys, out[:, 2], None, block_size)  # no advance
+    assert torch.equal(out[:, 2].cpu(), want)
+    assert torch.equal(gpu.positions.cpu(), cpu.positions)

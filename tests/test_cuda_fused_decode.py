@@ -79,14 +79,16 @@ def test_rms_norm_matches_module(dtype, size):
 @pytest.mark.parametrize("rows,splits", [(1, None), (5, None), (5, 1)])
 def test_rope_decode_attention_matches_unfused(dtype, tol, heads, kv_heads, dim, rows, splits):
     """Rotary + KV store + attention from the raw qkv row == RotaryEmbedding then the
-    paged decode op: same outputs, same cache; a padding row (slot -1, no context)
-    writes nothing and gives zeros; a row whose only context is this step's token."""
+    paged decode kernels: same outputs, same cache; a padding row (slot -1, no context)
+    writes nothing and gives zeros; a row whose only context is this step's token; the
+    splits combined in-kernel (``splits`` None: several) or one split."""
     from raypp.model import triton_attention as ta
+    from raypp.model import triton_decode as td
     from raypp.model.layers import RotaryEmbedding
     from raypp.model.triton_decode import rope_decode_attention
 
     torch.manual_seed(0)
-    block_size, blocks, width = 16, 64, 16
+    block_size, blocks, width = 16, 128, 16
     context = [200, 1, 0, 17, 256][:rows]
     tables = torch.randperm(blocks)[: rows * width].view(rows, width).cuda()
     slots = [int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size
@@ -119,3 +121,5 @@ def test_rope_decode_attention_matches_unfused(dtype, tol, heads, kv_heads, dim,
         untouched = torch.ones(blocks * block_size, dtype=torch.bool, device="cuda")
         untouched[written] = False
         assert torch.equal(got_cache.view(2, *flat)[:, untouched], cache.view(2, *flat)[:, untouched])
+    counters = td._COUNTERS.get(torch.device("cuda", torch.cuda.current_device()))
+    assert counters is None or not counters.any()  # the split combine left them zero

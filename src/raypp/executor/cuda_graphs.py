@@ -171,6 +171,8 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compilation, Triton JIT, cuBLAS handles
                 forward = self._warm(g)
+                if self.is_last:  # the LM head too: a cuBLAS handle cannot be made in capture
+                    self.model.compute_logits(forward(*self._args(g))[0])
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

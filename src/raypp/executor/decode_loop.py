@@ -71,8 +71,11 @@ def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
     """Run ``num_steps`` decode steps; per row, its sampled ids and (if asked) logprobs.
 
     ``forward()`` runs the model on ``inputs`` as they are now and returns the
-    rows' logits ``[rows, vocab]``.
+    rows' logits ``[rows, vocab]``. An all-greedy batch on CUDA without logprobs
+    takes two Triton launches per step after the forward (argmax and advance fused).
     """
+    if sampling.all_greedy and not sampling.wants_logprobs and inputs.input_ids.is_cuda:
+        return _greedy_cuda_steps(forward, inputs, num_steps, block_size)
     tokens: list[torch.Tensor] = []
     stats: list[tuple[torch.Tensor, ...]] = []
     for j in range(num_steps):
@@ -89,3 +92,18 @@ def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
     per_step = [row_logprobs(*s, sampling.num_logprobs) for s in stats]
     return token_ids, [None if per_step[0][r] is None else [lp[r] for lp in per_step]
                        for r in range(len(token_ids))]
+
+
+def _greedy_cuda_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
+                       num_steps: int, block_size: int
+                       ) -> tuple[list[list[int]], list[list[RowLogprobs] | None]]:
+    from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
+
+    rows = inputs.input_ids.shape[0]
+    device = inputs.input_ids.device
+    out = torch.empty(rows, num_steps, dtype=torch.int64, device=device)
+    keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=device)
+    for j in range(num_steps):
+        greedy_step(forward(), keys, out[:, j], inputs if j + 1 < num_steps else None,
+                    block_size)
+    return out.tolist(), [None] * rows

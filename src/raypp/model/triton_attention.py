@@ -134,12 +134,9 @@ def _paged_decode_kernel(
 @triton.jit
 def _combine_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
                     stride_ot, stride_oh, NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if PDL:  # launched with PDL (raypp.model.triton_decode): the partials come from the
-        tl.extra.cuda.gdc_launch_dependents()  # kernel before, so wait for it first
-        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, SPLITS_PAD)
     s_mask = offs_s < num_splits
     part = (seq * NUM_HEADS + head) * num_splits + offs_s

@@ -9,7 +9,8 @@
   projection: rotary on q and k, k/v stored in the paged cache, attention of q over
   the cached context plus this step's k/v (taken from registers, so no program reads
   a slot another one is writing), split over the context like
-  :func:`raypp.model.triton_attention.paged_decode`, then the split combine. It is
+  :func:`raypp.model.triton_attention.paged_decode`; the last split of each (sequence,
+  kv head) to finish combines the splits (an arrival counter, no second launch). It is
   also the custom op ``torch.ops.raypp.rope_decode_attention`` that every decode-only
   CUDA step of :class:`raypp.model.llama.Attention` calls (``torch.compile`` treats it
   as one opaque call).
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raypp.model.triton_attention import DEFAULT_LAUNCH, _combine_kernel, _pad, num_splits
+from raypp.model.triton_attention import DEFAULT_LAUNCH, _pad, num_splits
 
 
 @functools.cache
@@ -163,11 +164,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: boo
 def _rope_decode_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale, part_tokens, num_splits, stride_qkv, stride_rope, stride_bt, stride_ot,
+    counter_ptr, scale, part_tokens, num_splits, stride_qkv, stride_rope, stride_bt, stride_ot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS_P2: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -263,6 +264,32 @@ def _rope_decode_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + offs_d[None, :], acc,
                  mask=g_mask[:, None])
+        # the last split of this (sequence, kv head) to finish combines them all: every
+        # thread's stores come before the release, the reads after the acquire (from L2)
+        tl.debug_barrier()
+        counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch
+            offs_h = tl.arange(0, GROUP_P2)
+            offs_s = tl.arange(0, SPLITS_P2)
+            hs_mask = (offs_h < GROUP)[:, None] & (offs_s < num_splits)[None, :]
+            parts = (seq * NUM_HEADS + kv_head * GROUP + offs_h)[:, None] * num_splits + \
+                offs_s[None, :]
+            m = tl.load(part_max_ptr + parts, mask=hs_mask, other=float("-inf"),
+                        cache_modifier=".cg")
+            l_part = tl.load(part_sum_ptr + parts, mask=hs_mask, other=0.0, cache_modifier=".cg")
+            m_max = tl.max(m, axis=1)
+            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no context: weights 0
+            w = tl.where(hs_mask, tl.exp(m - m_max[:, None]), 0.0)
+            total = tl.sum(l_part * w, axis=1)
+            o = tl.load(part_out_ptr + parts[:, :, None] * DIM_PAD + offs_d[None, None, :],
+                        mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0,
+                        cache_modifier=".cg")
+            out = tl.sum(o * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+            o_heads = kv_head * GROUP + offs_h
+            tl.store(out_ptr + seq * stride_ot + o_heads[:, None] * HEAD_DIM + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty),
+                     mask=(offs_h < GROUP)[:, None] & d_mask[None, :])
 
 
 def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -286,27 +313,40 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     group = num_heads // num_kv_heads
     single = splits == 1
     if single:
-        part_out = part_max = part_sum = out  # unused
+        part_out = part_max = part_sum = counters = out  # unused
     else:
         part_out = torch.empty(seqs * num_heads * splits, dim_pad, dtype=torch.float32,
                                device=qkv.device)
         part_max = torch.empty(seqs * num_heads * splits, dtype=torch.float32, device=qkv.device)
         part_sum = torch.empty_like(part_max)
+        counters = _split_counters(qkv.device, seqs * num_kv_heads)
     _rope_decode_kernel[(seqs, num_kv_heads, splits)](
         qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-        out, part_out, part_max, part_sum, scale, part_tokens, splits,
+        out, part_out, part_max, part_sum, counters, scale, part_tokens, splits,
         qkv.stride(0), cos.stride(0), block_tables.stride(0), out.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=DEFAULT_LAUNCH.block,
-        SINGLE=single, IEEE=qkv.dtype == torch.float32, PDL=pdl,
+        GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK=DEFAULT_LAUNCH.block,
+        SPLITS_P2=triton.next_power_of_2(splits), SINGLE=single,
+        IEEE=qkv.dtype == torch.float32, PDL=pdl,
         num_warps=4 if seqs == 1 else DEFAULT_LAUNCH.num_warps,  # batch 1: H200 sweep, run 6
         num_stages=DEFAULT_LAUNCH.num_stages, launch_pdl=pdl)
-    if not single:
-        _combine_kernel[(seqs, num_heads)](
-            part_out, part_max, part_sum, out, splits, out.stride(0), head_dim,
-            NUM_HEADS=num_heads, SPLITS_PAD=32, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PDL=pdl,
-            num_warps=2, launch_pdl=pdl)
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # graphs captured earlier may still use these
+
+
+def _split_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``pairs`` (sequence, kv head) pairs; the kernel
+    leaves them zero, so one buffer per device serves every layer and every replay."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < pairs:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(max(pairs, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 # The cache write is deliberately not declared in mutates_args: the caches are inputs
