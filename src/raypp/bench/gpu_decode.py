@@ -846,7 +846,7 @@ def summary(r: dict[str, Any]) -> str:
         if b == 1 and roof:
             fastest = max((x for x in runs if x), default=None)
             lines.append(f"batch 1: roofline {roof:.3f} ms/step; best engine "
-                         f"{100 * fastest * roof / 1e3:.0f}% of it" if fastest else "")
+                         f"{100 * fastest * roof / 1e3:.1f}% of it" if fastest else "")
     c = r.get("correctness") or {}
     if c:
         lines.append(f"fp32 greedy == HF: {c.get('fp32_greedy_equal')}; bf16 agreement "
