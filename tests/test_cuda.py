@@ -293,23 +293,33 @@ def test_chunked_argmax_equals_torch_argmax():
         assert argmax(logits)[0].item() == vocab // 3
 
 
-def test_triton_advance_equals_torch_ops():
-    """One Triton launch moves a decode batch to its next step exactly as the CPU ops do."""
+def _decode_inputs_pair(rows: int, width: int, block_size: int, gen: torch.Generator):
+    """The same random decode inputs on the CPU and on the GPU."""
     from raypp.executor.decode_loop import DecodeInputs
 
-    block_size, rows, width = 16, 300, 8
-    gen = torch.Generator().manual_seed(0)
     positions = torch.randint(0, width * block_size - 1, (rows,), generator=gen)
     cpu = DecodeInputs(torch.zeros(rows, dtype=torch.int64), positions.clone(),
                        torch.zeros(rows, dtype=torch.int64), positions + 1,
                        torch.randint(0, 1000, (rows, width), generator=gen))
     gpu = DecodeInputs(*(t.cuda() for t in (cpu.input_ids, cpu.positions, cpu.slot_mapping,
                                             cpu.seq_lens, cpu.block_tables)))
+    return cpu, gpu
+
+
+def _assert_same_inputs(gpu, cpu) -> None:
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+def test_triton_advance_equals_torch_ops():
+    """One Triton launch moves a decode batch to its next step exactly as the CPU ops do."""
+    block_size, rows, width = 16, 300, 8
+    gen = torch.Generator().manual_seed(0)
+    cpu, gpu = _decode_inputs_pair(rows, width, block_size, gen)
     tokens = torch.randint(0, 50000, (rows,), generator=gen)
     cpu.advance(tokens, block_size)
     gpu.advance(tokens.cuda(), block_size)
-    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    _assert_same_inputs(gpu, cpu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -318,7 +328,6 @@ def test_greedy_step_equals_argmax_then_advance(dtype, rows, vocab):
     """The two-launch greedy step: torch's argmax (first index on ties, rows of -inf or
     only negative logits), written into one column, and the inputs advanced as the CPU
     ops advance them; the keys are left empty for the next step."""
-    from raypp.executor.decode_loop import DecodeInputs
     from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
 
     block_size, width = 16, 8
@@ -328,12 +337,7 @@ def test_greedy_step_equals_argmax_then_advance(dtype, rows, vocab):
     if rows > 2:
         logits[1] = float("-inf")
         logits[2] = -logits[2].abs() - 1
-    positions = torch.randint(0, width * block_size - 1, (rows,), generator=gen)
-    cpu = DecodeInputs(torch.zeros(rows, dtype=torch.int64), positions.clone(),
-                       torch.zeros(rows, dtype=torch.int64), positions + 1,
-                       torch.randint(0, 1000, (rows, width), generator=gen))
-    gpu = DecodeInputs(*(t.cuda() for t in (cpu.input_ids, cpu.positions, cpu.slot_mapping,
-                                            cpu.seq_lens, cpu.block_tables)))
+    cpu, gpu = _decode_inputs_pair(rows, width, block_size, gen)
     want = logits.argmax(dim=-1)
     cpu.advance(want, block_size)
     keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device="cuda")
@@ -342,8 +346,7 @@ def test_greedy_step_equals_argmax_then_advance(dtype, rows, vocab):
     assert torch.equal(out[:, 1].cpu(), want)
     assert not out[:, 0].any() and not out[:, 2].any()
     assert bool((keys == EMPTY_KEY).all())
-    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    _assert_same_inputs(gpu, cpu)
     greedy_step(logits.cuda(), keys, out[:, 2], None, block_size)  # no advance
     assert torch.equal(out[:, 2].cpu(), want)
     assert torch.equal(gpu.positions.cpu(), cpu.positions)

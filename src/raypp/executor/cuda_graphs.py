@@ -139,27 +139,35 @@ class DecodeGraphs:
         return (self.model, self.kv_caches, *rows)
 
     def _warm(self, g: int) -> Any:
-        """Run size ``g`` once outside capture (compiling it); returns the forward to capture."""
+        """Run size ``g`` once outside capture (compiling it, creating cuBLAS handles, the
+        LM head's too: none can be made during capture); returns the forward to capture."""
+        forward, out = self._first_run(g)
+        if self.is_last:
+            self.model.compute_logits(out[0])
+        return forward
+
+    def _first_run(self, g: int) -> tuple[Any, Any]:
+        """``(forward, its output)`` for size ``g``: the fused chain at batch 1, else the
+        compiled forward, else (compilation failed) the eager one."""
         args = self._args(g)
         if g == 1 and self.fused_unsupported is None:
-            self._fused_forward(*args)
+            out = self._fused_forward(*args)
             self.fused_sizes.append(g)
-            return self._fused_forward
+            return self._fused_forward, out
         if self._compiled is not None and self.compile_error is None:
             if g >= 2:  # one graph with a symbolic batch serves every size >= 2
                 for t in args[2:]:
                     if t is not None:
                         torch._dynamo.mark_dynamic(t, 0)
             try:
-                self._compiled(*args)
+                out = self._compiled(*args)
                 self.compiled_sizes.append(g)
-                return self._compiled
+                return self._compiled, out
             except Exception as e:  # noqa: BLE001 - fall back to the eager forward
                 self.compile_error = f"{type(e).__name__}: {e}"
                 logger.warning("torch.compile of the decode forward failed (%s); capturing "
                                "the eager forward", self.compile_error)
-        decode_forward(*args)
-        return decode_forward
+        return decode_forward, decode_forward(*args)
 
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs:
@@ -171,8 +179,6 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compilation, Triton JIT, cuBLAS handles
                 forward = self._warm(g)
-                if self.is_last:  # the LM head too: a cuBLAS handle cannot be made in capture
-                    self.model.compute_logits(forward(*self._args(g))[0])
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

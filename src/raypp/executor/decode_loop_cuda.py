@@ -29,9 +29,17 @@ def _advance_kernel(tokens_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr, tables_ptr
                     stride_table, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     mask = r < rows
+    _advance_rows(tl.load(tokens_ptr + r, mask=mask), r, mask, ids_ptr, pos_ptr, lens_ptr,
+                  slot_ptr, tables_ptr, stride_table, BLOCK_SIZE)
+
+
+@triton.jit
+def _advance_rows(tokens, r, mask, ids_ptr, pos_ptr, lens_ptr, slot_ptr, tables_ptr,
+                  stride_table, BLOCK_SIZE: tl.constexpr):
+    """Rows ``r``: the next step's input is ``tokens`` one position further on."""
     pos = tl.load(pos_ptr + r, mask=mask) + 1
     block = tl.load(tables_ptr + r.to(tl.int64) * stride_table + pos // BLOCK_SIZE, mask=mask)
-    tl.store(ids_ptr + r, tl.load(tokens_ptr + r, mask=mask), mask=mask)
+    tl.store(ids_ptr + r, tokens, mask=mask)
     tl.store(pos_ptr + r, pos, mask=mask)
     tl.store(lens_ptr + r, tl.load(lens_ptr + r, mask=mask) + 1, mask=mask)
     tl.store(slot_ptr + r, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=mask)
@@ -82,12 +90,8 @@ def _greedy_advance_kernel(keys_ptr, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_p
     tl.store(out_ptr + r.to(tl.int64) * stride_out, token, mask=mask)
     tl.store(keys_ptr + r, tl.full([ROWS], -9223372036854775808, tl.int64), mask=mask)
     if ADVANCE:
-        pos = tl.load(pos_ptr + r, mask=mask) + 1
-        block = tl.load(tables_ptr + r.to(tl.int64) * stride_table + pos // BLOCK_SIZE, mask=mask)
-        tl.store(ids_ptr + r, token, mask=mask)
-        tl.store(pos_ptr + r, pos, mask=mask)
-        tl.store(lens_ptr + r, tl.load(lens_ptr + r, mask=mask) + 1, mask=mask)
-        tl.store(slot_ptr + r, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=mask)
+        _advance_rows(token, r, mask, ids_ptr, pos_ptr, lens_ptr, slot_ptr, tables_ptr,
+                      stride_table, BLOCK_SIZE)
 
 
 def greedy_step(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,

@@ -87,9 +87,26 @@ def _paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     table = block_tables_ptr + seq * stride_bt
+    m_i, l_i, acc = _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end,
+                                  kv_head, scale, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, DIM_PAD,
+                                  BLOCK_SIZE, BLOCK, IEEE)
+    _write_split(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, seq, heads,
+                 split, num_splits, stride_ot, stride_oh, g_mask, NUM_HEADS, HEAD_DIM, DIM_PAD,
+                 SINGLE)
 
+
+@triton.jit
+def _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end, kv_head, scale,
+                  GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Online softmax of ``q`` ([GROUP_PAD, DIM_PAD], one kv head's query heads) over the
+    cached tokens ``[start, end)`` of one sequence's block ``table``, read in place:
+    ``(running max, running sum, unnormalized output)`` in fp32."""
+    offs_d = tl.arange(0, DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -117,12 +134,22 @@ def _paged_decode_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _write_split(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, seq, heads,
+                 split, num_splits, stride_ot, stride_oh, g_mask, NUM_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SINGLE: tl.constexpr):
+    """One split's result: the normalized output when it is the only split, else its
+    partials (max, sum, unnormalized output) for the combine."""
+    offs_d = tl.arange(0, DIM_PAD)
     if SINGLE:
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
         o_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_max_ptr + part, m_i, mask=g_mask)

@@ -32,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from raypp.model.triton_attention import DEFAULT_LAUNCH, _pad, num_splits
+from raypp.model.triton_attention import (
+    DEFAULT_LAUNCH,
+    _attend_pages,
+    _pad,
+    _write_split,
+    num_splits,
+)
 
 
 @functools.cache
@@ -217,33 +223,9 @@ def _rope_decode_kernel(
     start = split * part_tokens
     end = tl.minimum(start + part_tokens, cached)
     table = block_tables_ptr + seq * stride_bt
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK):
-        toks = n0 + tl.arange(0, BLOCK)
-        t_mask = toks < end
-        page = tl.load(table + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slots = page * BLOCK_SIZE + toks % BLOCK_SIZE
-        kv_offs = slots[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if IEEE:  # noqa: SIM108 - constexpr branch; fp32 models get exact fp32, not tf32
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(t_mask[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:  # noqa: SIM108 - constexpr branch
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end,
+                                  kv_head, scale, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, DIM_PAD,
+                                  BLOCK_SIZE, BLOCK, IEEE)
     # this step's token, in the split whose range holds its index
     if (seq_len > 0) & (split == cached // part_tokens):
         s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
@@ -254,16 +236,10 @@ def _rope_decode_kernel(
         acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
 
-    if SINGLE:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=qg_mask)
-    else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_max_ptr + part, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
-        tl.store(part_out_ptr + part[:, None] * DIM_PAD + offs_d[None, :], acc,
-                 mask=g_mask[:, None])
+    _write_split(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, seq, heads,
+                 split, num_splits, stride_ot, HEAD_DIM, g_mask, NUM_HEADS, HEAD_DIM, DIM_PAD,
+                 SINGLE)
+    if not SINGLE:
         # the last split of this (sequence, kv head) to finish combines them all: every
         # thread's stores come before the release, the reads after the acquire (from L2)
         tl.debug_barrier()
