@@ -122,9 +122,10 @@ def test_mixed_batch_matches_cpu_path():
     assert torch.allclose(gpu_cache.cpu(), cpu_cache)
 
 
-@pytest.mark.parametrize("compile_forward", [True, False])
-def test_decode_graphs_match_eager(tiny_llama, compile_forward):
-    """Graph replays (with padding rows) give the eager unfused forward's logits."""
+@pytest.mark.parametrize("compile_forward,fused_max_rows", [(True, 64), (True, 1), (False, 0)])
+def test_decode_graphs_match_eager(tiny_llama, compile_forward, fused_max_rows):
+    """Graph replays (with padding rows) give the eager unfused forward's logits, whether
+    a size holds the fused kernel chain, the compiled forward or the eager one."""
     from dataclasses import replace
 
     from raypp.config import ModelConfig
@@ -148,10 +149,13 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward):
     graphs = DecodeGraphs(model, caches, is_first=True, is_last=True, max_num_seqs=8,
                           max_blocks_per_seq=8,
                           hidden_size=mc.hidden_size, dtype=torch.float32,
-                          device=torch.device("cuda"), compile_forward=compile_forward).capture()
+                          device=torch.device("cuda"), compile_forward=compile_forward,
+                          fused_max_rows=fused_max_rows).capture()
     assert graphs.compile_error is None
-    assert graphs.compiled_sizes == ([8, 4, 2] if compile_forward else [])
-    assert graphs.fused_sizes == [1]  # batch 1: the fused kernel chain (model.fused_decode)
+    fused = [g for g in [8, 4, 2, 1] if g <= fused_max_rows]  # model.fused_decode's chain
+    assert graphs.fused_sizes == fused
+    assert graphs.compiled_sizes == ([g for g in [8, 4, 2] if g not in fused]
+                                     if compile_forward else [])
     for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
         step = StepInput(
@@ -198,9 +202,9 @@ def _hf_greedy(model_dir, prompts, max_tokens, dtype):
 def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, eager,
                                           decode_steps, max_num_seqs):
     """Greedy fp32 generation on the GPU equals transformers', with and without graphs,
-    one decode step per round trip or several; one sequence at a time runs the fused
-    batch-1 chain."""
+    one decode step per round trip or several; the graphs hold the fused kernel chain."""
     from raypp import LLM, SamplingParams
+    from raypp.executor.cuda_graphs import capture_sizes
 
     monkeypatch.setenv("RAYPP_ENFORCE_EAGER", "1" if eager else "0")
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
@@ -212,15 +216,15 @@ def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, monkeypatch, 
         worker = llm.engine.executor.workers[0][0]
         replays, fused = ray_cluster.get(worker.__ray_call__.remote(
             lambda w: (-1, None) if w.decode_graphs is None else
-            (w.decode_graphs.replays, w.decode_graphs.fused_sizes)))
+            (w.decode_graphs.replays, sorted(w.decode_graphs.fused_sizes))))
     finally:
         llm.shutdown()
     got = [o.outputs[0].token_ids for o in outs]
     assert got == _hf_greedy(str(tiny_llama), prompts, 24, torch.float32)
-    assert (replays == -1) if eager else (replays > 0 and fused == [1])
+    assert (replays == -1) if eager else (replays > 0 and fused == capture_sizes(max_num_seqs))
 
 
-@pytest.mark.parametrize("max_num_seqs", [4, 1])  # 1: the fused batch-1 chain
+@pytest.mark.parametrize("max_num_seqs", [4, 1])  # 1: the GEMV chain, 4: GEMMs
 @pytest.mark.parametrize("dtype,tie", [("bfloat16", 0.15), ("float16", 0.05)])
 def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie, max_num_seqs):
     """bf16/fp16 weights end to end (graphs, 4 decode steps per call), teacher-forced on

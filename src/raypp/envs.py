@@ -18,6 +18,10 @@ def _bool(name: str, default: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
+def _int(name: str, default: str) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, default))
+
+
 def _float(name: str, default: str) -> Callable[[], float]:
     return lambda: float(os.environ.get(name, default))
 
@@ -92,10 +96,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(fused element-wise kernels). 0: capture the eager forward.",
     ),
     "RAYPP_FUSED_DECODE": (
-        _bool("RAYPP_FUSED_DECODE", "1"),
-        "1 (default): the batch-1 decode CUDA graph captures the fused Triton kernel chain "
-        "(raypp.model.fused_decode; GEMVs chained with programmatic dependent launch on "
-        "Hopper). 0: it captures the same forward as the other sizes.",
+        _int("RAYPP_FUSED_DECODE", "64"),
+        "The largest decode batch whose CUDA graph captures the fused Triton kernel chain "
+        "(raypp.model.fused_decode: GEMV at batch 1, split-K GEMM up to 64 rows, chained "
+        "with programmatic dependent launch on Hopper); default 64, the chain's limit. "
+        "Larger batches, and all with 0, capture the compiled forward.",
     ),
     "RAYPP_PLACEMENT_STRATEGY": (
         _str("RAYPP_PLACEMENT_STRATEGY", "PACK"),

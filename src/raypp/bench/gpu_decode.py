@@ -478,7 +478,7 @@ def _unfused_replay(w: Any, step: Any) -> float:
     other = DecodeGraphs(w.model, w.kv_caches, is_first=g.is_first, is_last=g.is_last,
                          max_num_seqs=step.num_seqs, max_blocks_per_seq=g.buffers.width,
                          hidden_size=w.config.model.hidden_size, dtype=w.config.model.torch_dtype,
-                         device=w.device, sizes=[step.num_seqs], fused_batch1=False).capture()
+                         device=w.device, sizes=[step.num_seqs], fused_max_rows=0).capture()
     other.load(step)
     seconds = _time_cuda(other._graphs[step.num_seqs].replay, 20)
     del other

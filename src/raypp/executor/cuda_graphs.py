@@ -12,8 +12,8 @@ Inductor fuses the many small element-wise kernels of a layer (RMSNorm, rotary,
 SiLU·mul, casts) while the paged attention stays one opaque custom op. One
 compilation with a dynamic batch dimension serves every size (plus one for batch
 1); a size whose compilation fails is captured from the eager forward instead.
-Batch 1 captures the fused Triton kernel chain of :mod:`raypp.model.fused_decode`
-instead, where the model allows it (``fused_batch1``, ``RAYPP_FUSED_DECODE``).
+Sizes up to ``fused_max_rows`` (``RAYPP_FUSED_DECODE``) capture the fused Triton
+kernel chain of :mod:`raypp.model.fused_decode` instead, where the model allows it.
 
 Every tensor a graph reads lives in :class:`StaticBuffers`. The per-step integer
 inputs (ids, positions, slots, lengths, block tables) are written into one
@@ -104,7 +104,7 @@ class DecodeGraphs:
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], *, is_first: bool,
                  is_last: bool, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None,
-                 compile_forward: bool = True, fused_batch1: bool = True):
+                 compile_forward: bool = True, fused_max_rows: int = 64):
         self.model = model
         self.kv_caches = kv_caches
         self.is_first, self.is_last = is_first, is_last
@@ -124,7 +124,8 @@ class DecodeGraphs:
         from raypp.model import fused_decode  # imports Triton: CUDA only
 
         self._fused_forward = fused_decode.fused_decode_forward
-        self.fused_unsupported = (fused_decode.unsupported_reason(model) if fused_batch1
+        self.fused_max_rows = min(fused_max_rows, fused_decode.MAX_ROWS)
+        self.fused_unsupported = (fused_decode.unsupported_reason(model) if fused_max_rows > 0
                                   else "disabled")
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
         self.capture_seconds = 0.0
@@ -147,10 +148,11 @@ class DecodeGraphs:
         return forward
 
     def _first_run(self, g: int) -> tuple[Any, Any]:
-        """``(forward, its output)`` for size ``g``: the fused chain at batch 1, else the
-        compiled forward, else (compilation failed) the eager one."""
+        """``(forward, its output)`` for size ``g``: the fused chain up to
+        ``fused_max_rows``, else the compiled forward, else (compilation failed) the eager
+        one."""
         args = self._args(g)
-        if g == 1 and self.fused_unsupported is None:
+        if g <= self.fused_max_rows and self.fused_unsupported is None:
             out = self._fused_forward(*args)
             self.fused_sizes.append(g)
             return self._fused_forward, out

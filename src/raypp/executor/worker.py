@@ -129,7 +129,7 @@ class StageWorker:
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
                 hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
-                compile_forward=envs.RAYPP_COMPILE_DECODE, fused_batch1=envs.RAYPP_FUSED_DECODE,
+                compile_forward=envs.RAYPP_COMPILE_DECODE, fused_max_rows=envs.RAYPP_FUSED_DECODE,
             ).capture()
 
     # -- the step ----------------------------------------------------------------------

@@ -1,18 +1,20 @@
-"""Single-sequence decode forward of a Llama stage as a chain of Triton kernels.
+"""Decode forward of a Llama stage as a chain of Triton kernels, for small batches.
 
-At batch 1 a decode step reads every weight once and does almost no arithmetic, so
+A decode step at a small batch reads every weight once and does little arithmetic, so
 what costs beyond the bytes is kernels that each take microseconds to start and drain:
-about a dozen per layer on the compiled path (cuBLAS GEMVs, Inductor's norm, rotary
-and SiLU kernels, KV store, attention, split combine). :func:`fused_decode_forward`
-runs a layer as seven kernels of :mod:`raypp.model.triton_decode`:
+about a dozen per layer on the compiled path (cuBLAS GEMMs, Inductor's norm, rotary and
+SiLU kernels). :func:`fused_decode_forward` runs a layer as kernels of
+:mod:`raypp.model.triton_decode`. At batch 1, five:
 
-    add+RMSNorm → qkv GEMV → rotary + KV store + attention → split combine
-    → o GEMV → add+RMSNorm → gate/up GEMV with SiLU·mul → down GEMV
+    add+RMSNorm+qkv GEMV → rotary + KV store + attention → o GEMV
+    → add+RMSNorm+gate/up GEMV with SiLU·mul → down GEMV
 
-launched with programmatic dependent launch on Hopper, so each kernel loads its
-weights while the previous one drains. It computes what
-:meth:`raypp.model.llama.LlamaStageModel.forward` computes for one decode token,
-rounding where that path rounds; the batch-1 decode CUDA graph captures it
+(each GEMV program normalizes the 2-4 KB row itself); at 2..``GEMM_MAX_ROWS`` rows the
+norms are kernels of their own and the projections tensor-core GEMMs split over K.
+Every kernel is launched with programmatic dependent launch on Hopper, so it loads its
+first weights while the previous one drains. It computes what
+:meth:`raypp.model.llama.LlamaStageModel.forward` computes for decode tokens,
+rounding where that path rounds; the decode CUDA graphs of those sizes capture it
 (:mod:`raypp.executor.cuda_graphs`).
 """
 
@@ -22,7 +24,17 @@ from typing import Any
 
 import torch
 
-from raypp.model.triton_decode import gemv, pdl_supported, rms_norm, rope_decode_attention
+from raypp.model.triton_decode import (
+    GEMM_MAX_ROWS,
+    gemm,
+    linear,
+    norm_gemv,
+    pdl_supported,
+    rms_norm,
+    rope_decode_attention,
+)
+
+MAX_ROWS = GEMM_MAX_ROWS  # the largest batch the chain serves
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -44,8 +56,9 @@ def fused_decode_forward(model: Any, kv_caches: list[torch.Tensor], positions: t
                          seq_lens: torch.Tensor, input_ids: torch.Tensor | None,
                          hidden_states: torch.Tensor | None, residual: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``decode_forward``'s contract (:mod:`raypp.executor.cuda_graphs`) for one row."""
-    assert positions.shape[0] == 1, "the fused decode path serves batch 1"
+    """``decode_forward``'s contract (:mod:`raypp.executor.cuda_graphs`) for up to
+    :data:`MAX_ROWS` rows."""
+    assert positions.shape[0] <= MAX_ROWS
     pdl = pdl_supported(positions.device)
     if model.stage.is_first:
         hidden, residual = model.model.embed_tokens(input_ids), None
@@ -53,18 +66,26 @@ def fused_decode_forward(model: Any, kv_caches: list[torch.Tensor], positions: t
         hidden = hidden_states
     for cache, layer in zip(kv_caches, model.model.layers.values(), strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        norm = layer.input_layernorm
-        x, residual = rms_norm(hidden, residual, norm.weight, norm.eps, pdl)
-        qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, False, pdl)
+        qkv, residual = _norm_linear(hidden, residual, layer.input_layernorm,
+                                     attn.qkv_proj.weight, attn.qkv_proj.bias, False, pdl)
         out = rope_decode_attention(qkv, positions, attn.rotary.cos, attn.rotary.sin, cache,
                                     slot_mapping, block_tables, seq_lens, attn.num_heads,
                                     attn.attn.scale, pdl)
-        out = gemv(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
-        norm = layer.post_attention_layernorm
-        x, residual = rms_norm(out, residual, norm.weight, norm.eps, pdl)
-        hidden = gemv(gemv(x, mlp.gate_up_proj.weight, None, True, pdl),
-                      mlp.down_proj.weight, None, False, pdl)
+        out = linear(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
+        act, residual = _norm_linear(out, residual, layer.post_attention_layernorm,
+                                     mlp.gate_up_proj.weight, None, True, pdl)
+        hidden = linear(act, mlp.down_proj.weight, None, False, pdl)
     if model.stage.is_last:
         norm = model.model.norm
         return rms_norm(hidden, residual, norm.weight, norm.eps, pdl)[0], None
     return hidden, residual
+
+
+def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: Any, w: torch.Tensor,
+                 bias: torch.Tensor | None, gated: bool, pdl: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), x + residual)``: one kernel for one row."""
+    if x.shape[0] == 1:
+        return norm_gemv(x, residual, norm.weight, norm.eps, w, bias, gated, pdl)
+    x, residual = rms_norm(x, residual, norm.weight, norm.eps, pdl)
+    return gemm(x, w, bias, gated, pdl), residual

@@ -91,16 +91,18 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, n,
+                 K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < n
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rows = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-    up_rows = rows + n * K  # gated: the up rows follow all gate rows
+    up_rows = rows + n.to(tl.int64) * K  # gated: the up rows follow all gate rows
     # the first tile of weights is loaded before waiting for the previous kernel
     mask = n_mask[:, None] & (rk[None, :] < K)
     w = tl.load(rows, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -108,10 +110,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.c
         u = tl.load(up_rows, mask=mask, other=0.0, eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_wait()
+    dtype = out_ptr.dtype.element_ty
+    if NORM:  # every program normalizes the (4-byte-per-element small) row itself
+        full = tl.arange(0, K_P2)
+        s = _residual_sum(x_ptr, res_ptr, full, full < K, HAS_RES, dtype)
+        if HAS_RES & (pid == 0):
+            tl.store(res_out_ptr + full, s.to(dtype), mask=full < K)
+        r = tl.rsqrt(tl.sum(s * s, 0) / K + eps)
     acc = tl.zeros([BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_N], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        k_mask = k0 + rk < K
+        if NORM:  # rounded where rms_norm rounds its output
+            x = _residual_sum(x_ptr + k0, res_ptr + k0, rk, k_mask, HAS_RES, dtype)
+            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
+            x = (nw * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
         if GATED:
             acc_up += tl.sum(u.to(tl.float32) * x[None, :], 1)
@@ -121,19 +136,35 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.c
             if GATED:
                 u = tl.load(up_rows + k0 + BLOCK_K, mask=mask, other=0.0,
                             eviction_policy="evict_first")
-    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    if GATED:  # rounded where the unfused F.silu(gate) * up rounds
+    tl.store(out_ptr + rn, _gated_epilogue(acc, acc_up, GATED, dtype), mask=n_mask)
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr, dtype: tl.constexpr):
+    """``x + residual`` in fp32, rounded to the model dtype as the residual stream is."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gated_epilogue(acc, acc_up, GATED: tl.constexpr, dtype: tl.constexpr):
+    """The output in ``dtype``: ``acc``, or (gated) ``silu(acc) * acc_up`` rounded where
+    the unfused ``F.silu(gate) * up`` rounds."""
+    if GATED:
         gate = acc.to(dtype).to(tl.float32)
         acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * \
             acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rn, acc.to(dtype), mask=n_mask)
+    return acc.to(dtype)
 
 
 def gemv_config(n: int, k: int, gated: bool, dtype: torch.dtype) -> tuple[int, int, int]:
     """``(rows of w per program, K per tile, warps)``: the fastest settings of an H200
-    sweep at the Llama-3.2-1B shapes with PDL (``raypp.bench.pdl_probe``; benchmarks/gpu
+    sweep at the Llama-3.2-1B shapes with PDL (``raypp.bench.gemv_probe``; benchmarks/gpu
     run 7), by shape class; tiles halve for 4-byte weights."""
     if gated:
         bn, bk, warps = 4, 512, 4
@@ -152,15 +183,166 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: boo
     """``x @ w.T + bias`` for ``x`` of one contiguous row ``[1, K]``; ``gated``:
     ``silu(x @ w[:n].T) * (x @ w[n:].T)`` with ``n = w.shape[0] // 2``. ``config``
     overrides :func:`gemv_config` (powers of two)."""
+    return _gemv(x, None, None, 0.0, w, bias, gated, pdl, config)[0]
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
+              config: tuple[int, int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` then :func:`gemv` in one kernel: ``(gemv(rms_norm(x, residual)),
+    the new residual)`` (``x`` itself when ``residual`` is None)."""
+    return _gemv(x, residual, norm_weight, eps, w, bias, gated, pdl, config)
+
+
+def _gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+          eps: float, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
+          config: tuple[int, int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous()
+    assert residual is None or residual.is_contiguous()
     k = w.shape[1]
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
     bn, bk, warps = config or gemv_config(n, k, gated, w.dtype)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, bias if bias is not None else w, out, n, K=k, BLOCK_N=bn, BLOCK_K=bk,
-        GATED=gated, HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        x, w, bias if bias is not None else w, out, residual if residual is not None else x,
+        norm_weight if norm_weight is not None else w, res_out, eps, n, K=k,
+        K_P2=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk, GATED=gated,
+        HAS_BIAS=bias is not None, NORM=norm_weight is not None, HAS_RES=residual is not None,
+        PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out, res_out
+
+
+# -- GEMM for a decode batch ------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, m, n, stride_x,
+                 K: tl.constexpr, K_PER: tl.constexpr, STEPS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < m
+    n_mask = rn < n
+    k0 = split * K_PER
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w_at = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+    up_at = w_at + n.to(tl.int64) * K  # gated: the up rows follow all gate rows
+    # the first tile of weights is loaded before waiting for the previous kernel
+    mask = n_mask[:, None] & (k0 + rk[None, :] < K)
+    w = tl.load(w_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        u = tl.load(up_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x_at = x_ptr + rm[:, None] * stride_x + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in range(STEPS):
+        kk = k0 + i * BLOCK_K
+        x = tl.load(x_at + kk, mask=m_mask[:, None] & (kk + rk[None, :] < K), other=0.0)
+        mask = n_mask[:, None] & (kk + BLOCK_K + rk[None, :] < K) & (i + 1 < STEPS)
+        w_next = tl.load(w_at + kk + BLOCK_K, mask=mask, other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        w = w_next
+        if GATED:
+            u_next = tl.load(up_at + kk + BLOCK_K, mask=mask, other=0.0,
+                             eviction_policy="evict_first")
+            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+            u = u_next
+    out_at = rm[:, None] * n + rn[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        _gemm_store(out_ptr, b_ptr, acc, acc_up, out_at, o_mask, rn, n_mask, GATED, HAS_BIAS)
+    else:
+        # each split writes its fp32 partial; the last to arrive sums them in split order
+        # (the same result every run) and resets the counter for the next launch
+        mn = m * n
+        tl.store(part_ptr + split * mn + out_at, acc, mask=o_mask)
+        if GATED:
+            tl.store(part_ptr + (SPLIT_K + split) * mn + out_at, acc_up, mask=o_mask)
+        tl.debug_barrier()
+        counter = counter_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            tl.store(counter, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + s * mn + out_at, mask=o_mask, other=0.0,
+                               cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + (SPLIT_K + s) * mn + out_at, mask=o_mask,
+                                      other=0.0, cache_modifier=".cg")
+            _gemm_store(out_ptr, b_ptr, acc, acc_up, out_at, o_mask, rn, n_mask, GATED,
+                        HAS_BIAS)
+
+
+@triton.jit
+def _gemm_store(out_ptr, b_ptr, acc, acc_up, out_at, o_mask, rn, n_mask, GATED: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + out_at, _gated_epilogue(acc, acc_up, GATED, out_ptr.dtype.element_ty),
+             mask=o_mask)
+
+
+GEMM_MAX_ROWS = 64
+GemmConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, split-K, warps)
+
+
+def gemm_config(m: int, n: int, k: int, gated: bool, dtype: torch.dtype) -> GemmConfig:
+    """``(rows of w per program, K per tile, K splits, warps)`` for ``m`` rows: tiles of
+    16 KB of weights, split over K until about two programs per SM."""
+    bn = 64 if n >= 4096 else 32
+    bk = max(16, min(256 // (2 if dtype.itemsize > 2 else 1) // (2 if gated else 1),
+                     triton.next_power_of_2(k)))
+    split = 1
+    while triton.cdiv(n, bn) * split < 256 and k // (2 * split) >= 2 * bk:
+        split *= 2
+    return bn, bk, split, 4
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
+         config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``gated``: ``silu(x @ w[:n].T) * (x @ w[n:].T)``, ``n =
+    w.shape[0] // 2``) for up to :data:`GEMM_MAX_ROWS` rows of ``x`` (``stride(1) == 1``),
+    on tensor cores (fp32: exact fp32 products); an output row depends only on its input
+    row. ``config`` overrides :func:`gemm_config`."""
+    m, k = x.shape
+    assert m <= GEMM_MAX_ROWS and x.stride(1) == 1 and w.is_contiguous()
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    bn, bk, split, warps = config or gemm_config(m, n, k, gated, w.dtype)
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty((2 if gated else 1) * split * m * n, dtype=torch.float32,
+                           device=x.device)
+        counters = _split_counters(x.device, triton.cdiv(n, bn))
+    else:
+        part = counters = out  # unused
+    _gemm_kernel[(triton.cdiv(n, bn), split)](
+        x, w, bias if bias is not None else w, out, part, counters, m, n, x.stride(0), K=k,
+        K_PER=k_per, STEPS=k_per // bk, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=gated, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps,
+        num_stages=1, launch_pdl=pdl)
     return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+           pdl: bool) -> torch.Tensor:
+    """:func:`gemv` for one row, :func:`gemm` for more."""
+    if x.shape[0] == 1 and x.is_contiguous():
+        return gemv(x, w, bias, gated, pdl)
+    return gemm(x, w, bias, gated, pdl)
 
 
 # -- rotary + KV store + paged decode attention -----------------------------------------------
