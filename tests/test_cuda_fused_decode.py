@@ -54,11 +54,13 @@ def test_gemv_matches_linear(dtype, tol, n, k, gated):
 @pytest.mark.parametrize("m,n,k", [(64, 3072, 2048), (16, 2048, 8192), (5, 100, 64),
                                    (33, 96, 200)])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("config", [None, (32, 64, 3, 4), (16, 32, 1, 8)])
+@pytest.mark.parametrize("config", [None, (32, 64, 3, 4, 1), (16, 32, 1, 8, 1),
+                                    (64, 64, 2, 4, 3)])
 def test_gemm_matches_linear(dtype, tol, m, n, k, gated, config):
     """A decode batch times a weight (uneven M, N and K; with bias, or gate/up with SiLU),
-    at the default settings, split over K (uneven splits), and unsplit; the same bits on a
-    second call (the splits are summed in a fixed order) and the counters left zero."""
+    at the default settings, split over K (uneven splits), unsplit, and software-pipelined;
+    the same bits on a second call (the splits are summed in a fixed order) and the
+    counters left zero."""
     from raypp.model.triton_decode import _split_counters, gemm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -74,30 +76,6 @@ def test_gemm_matches_linear(dtype, tol, m, n, k, gated, config):
         assert _rel(got, want) < tol, pdl
         assert torch.equal(gemm(x, w, bias, gated, pdl, config), got)
     assert not _split_counters(x.device, 1).any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,gated", [(3072, 2048, False), (8192, 2048, True), (96, 200, False)])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_gemv_is_rms_norm_then_gemv(dtype, n, k, gated, with_residual):
-    """The GEMV that normalizes its input row itself == rms_norm, then the GEMV; the new
-    residual is the same bits."""
-    from raypp.model.triton_decode import gemv, norm_gemv, rms_norm
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=gen) * 0.05).to(dtype)
-    x, res = (torch.randn(1, k, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    norm_w = torch.randn(k, device="cuda", generator=gen).to(dtype)
-    res = res if with_residual else None
-    bias = None if gated else torch.randn(n, device="cuda", generator=gen).to(dtype)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    for pdl in _pdl_modes():
-        normed, want_res = rms_norm(x, res, norm_w, 1e-5, pdl)
-        want = gemv(normed, w, bias, gated, pdl)
-        got, got_res = norm_gemv(x, res, norm_w, 1e-5, w, bias, gated, pdl)
-        assert torch.equal(got_res, want_res)
-        assert got_res is x or with_residual
-        assert _rel(got, want) < tol, pdl
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

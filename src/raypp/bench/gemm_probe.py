@@ -5,8 +5,8 @@ dependent launch) against cuBLAS, per shape and as the 16-layer chain of a decod
 
 Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down) and batch
 (``--rows``): ``F.linear`` (plus ``F.silu(gate) * up``), then GEMM settings without PDL
-(:func:`raypp.model.triton_decode.gemm_config`'s first, then a grid of tile sizes and
-K splits until the time budget is spent), the five fastest again with PDL; each as 24
+(:func:`raypp.model.triton_decode.gemm_config`'s first, then a grid of tile sizes, K
+splits, warps and pipeline stages until the time budget is spent), the five fastest again with PDL; each as 24
 launches over different weights in one CUDA graph. Then the layer chain without
 attention (norm, qkv, o, norm, gate/up, down; 16 layers, 1.95 GB of weights) with
 cuBLAS, with the GEMM at ``gemm_config``'s settings and at each shape's best. Results:
@@ -29,25 +29,32 @@ from raypp.bench.gemv_probe import HIDDEN, INTER, LAYERS, QKV, SHAPES, _graph_se
 from raypp.bench.gpu_decode import bandwidth, log
 from raypp.model.triton_decode import GemmConfig, gemm, gemm_config, rms_norm
 
-GRID = [(bn, bk, split, 4) for bn in (16, 32, 64, 128) for bk in (64, 128, 256)
-        for split in (1, 2, 4, 8)]
+GRID = [(bn, bk, split, warps, stages) for bn in (32, 64, 128) for bk in (64, 128, 256)
+        for split in (1, 2, 4, 8) for stages in (1, 3, 4) for warps in (4, 8)]
 
 
-def _candidates(m: int, n: int, k: int, gated: bool) -> list[GemmConfig]:
-    """``gemm_config``'s choice first, then the grid's settings with 4-32 KB weight tiles
-    and 64..2048 programs, closest to 16 KB and 256 programs first."""
+def _candidates(m: int, n: int, k: int, gated: bool, seeds: list[list[int]]
+                ) -> list[GemmConfig]:
+    """``gemm_config``'s choice first; then each of ``seeds`` (tile and split settings,
+    e.g. an earlier sweep's fastest) with every warp count and stage count; then the
+    grid's settings with 8-32 KB weight tiles and 128..1024 programs, closest to 16 KB
+    and 256 programs first."""
     first = gemm_config(m, n, k, gated, torch.bfloat16)
-    out = []
+    seeded = [(*seed[:3], warps, stages) for seed in seeds for stages in (1, 3, 4)
+              for warps in (4, 8)]
+    out = [(-1, cfg) for cfg in seeded]
     for cfg in GRID:
-        bn, bk, split, _ = cfg
+        bn, bk, split, _, _ = cfg
         tile = bn * bk * 2 * (2 if gated else 1)
         programs = -(-n // bn) * split
-        if 4096 <= tile <= 32768 and 64 <= programs <= 2048 and k // split >= bk:
+        if 8192 <= tile <= 32768 and 128 <= programs <= 1024 and k // split >= bk:
             out.append((abs(tile.bit_length() - 15) + abs(programs.bit_length() - 9), cfg))
-    return [first] + [c for _, c in sorted(out) if c != first]
+    ordered = [first] + [c for _, c in sorted(out, key=lambda dc: dc[0]) if c != first]
+    return list(dict.fromkeys(ordered))
 
 
-def shape_sweep(m: int, bw_gbps: float, deadline: float) -> dict[str, Any]:
+def shape_sweep(m: int, bw_gbps: float, deadline: float, seeds: dict[str, Any]
+                ) -> dict[str, Any]:
     res: dict[str, Any] = {}
     per_shape = (deadline - time.monotonic()) / len(SHAPES)
     for name, (n, k, gated) in SHAPES.items():
@@ -72,9 +79,8 @@ def shape_sweep(m: int, bw_gbps: float, deadline: float) -> dict[str, Any]:
         plain: dict[GemmConfig, float] = {}
         for pdl in (False, True):
             configs = (sorted(plain, key=plain.get)[:5] if pdl
-                       else _candidates(m, n, k, gated))
-            if pdl:  # the best with 8 warps too
-                configs += [(*c[:3], 8) for c in configs[:2]]
+                       else _candidates(m, n, k, gated, [
+                           c for c, _ in seeds.get(name, {}).get("top_plain", [])[:4]]))
             best = None
             for cfg in configs:
                 if not pdl and plain and time.monotonic() > stop:
@@ -156,6 +162,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--rows", default="64,16")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--seeds", help="an earlier gemm_probe.json: its fastest settings per "
+                    "shape and batch are tried first, with every warp and stage count")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +174,11 @@ def main() -> None:
     for i, m in enumerate(rows):
         left = args.budget_s - (time.monotonic() - started)
         deadline = time.monotonic() + 0.8 * left / (len(rows) - i)
-        shapes = shape_sweep(m, bw, deadline)
+        seeds = json.loads(Path(args.seeds).read_text()) if args.seeds else {}
+        nearest = min((int(key[1:]) for key in seeds if key.startswith("m")),
+                      key=lambda r: abs(r - m), default=None)
+        shapes = shape_sweep(m, bw, deadline,
+                             seeds[f"m{nearest}"]["shapes"] if nearest else {})
         res[f"m{m}"] = {"shapes": shapes, "layer_chain": layer_chain(m, shapes, bw)}
         (out / "gemm_probe.json").write_text(json.dumps(res, indent=1))
 

@@ -8,8 +8,7 @@ GEMV setting in ``CONFIGS`` without PDL, the four fastest again with PDL, and
 ``F.linear`` (plus ``F.silu(gate) * up``), each as 24 launches over different weights
 in one CUDA graph. Then the layer chain without attention (norm, qkv, o, norm,
 gate/up, down; 16 layers, 1.95 GB of weights) with cuBLAS, with the GEMV at
-:func:`raypp.model.triton_decode.gemv_config`'s settings, with the per-shape best, and
-with each norm inside the next GEMV (:func:`~raypp.model.triton_decode.norm_gemv`).
+:func:`raypp.model.triton_decode.gemv_config`'s settings, and with the per-shape best.
 Results: benchmarks/gpu/README.md (run 7).
 """
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from raypp.bench.gpu_decode import _time_cuda, bandwidth, log
-from raypp.model.triton_decode import gemv, norm_gemv, rms_norm
+from raypp.model.triton_decode import gemv, rms_norm
 
 HIDDEN, INTER, QKV, LAYERS = 2048, 8192, 3072, 16
 SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False),
@@ -112,12 +111,6 @@ def layer_chain(shapes: dict[str, Any], bw_gbps: float) -> dict[str, Any]:
         h, res = h0, None
         configs = configs or {}
         for w in layers:
-            if kind == "norm_gemv":
-                qkv, res = norm_gemv(h, res, w["norm"], 1e-5, w["qkv"], None, False, pdl)
-                o = gemv(qkv[:, :HIDDEN], w["o"], None, False, pdl)
-                x, res = norm_gemv(o, res, w["norm"], 1e-5, w["gate_up"], None, True, pdl)
-                h = gemv(x, w["down"], None, False, pdl)
-                continue
             x, res = rms_norm(h, res, w["norm"], 1e-5, pdl)
             if kind == "cublas":
                 o = F.linear(F.linear(x, w["qkv"])[:, :HIDDEN], w["o"])
@@ -137,12 +130,10 @@ def layer_chain(shapes: dict[str, Any], bw_gbps: float) -> dict[str, Any]:
                            "ideal_us": round(weight_bytes / bw_gbps / 1e3, 1),
                            "cublas_us": round(1e6 * _graph_seconds(lambda: run("cublas"), 1), 1)}
     best = {k: tuple(v["pdl"]["config"]) for k, v in shapes.items() if "pdl" in v}
-    for tag, kind, pdl, configs in (("triton_default", "t", False, None),
-                                    ("triton_default_pdl", "t", True, None),
-                                    ("triton_best_pdl", "t", True, best),
-                                    ("norm_gemv_pdl", "norm_gemv", True, None)):
-        out[f"{tag}_us"] = round(1e6 * _graph_seconds(
-            lambda k=kind, p=pdl, c=configs: run(k, p, c), 1), 1)
+    for tag, pdl, configs in (("triton_default", False, None), ("triton_default_pdl", True, None),
+                              ("triton_best_pdl", True, best)):
+        out[f"{tag}_us"] = round(1e6 * _graph_seconds(lambda p=pdl, c=configs: run("t", p, c), 1),
+                                 1)
     log(f"layer chain: {out}")
     return out
 
@@ -150,13 +141,11 @@ def layer_chain(shapes: dict[str, Any], bw_gbps: float) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--chain-only", action="store_true", help="skip the per-shape sweep")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = bandwidth()["copy_GBps"]
-    res: dict[str, Any] = {"copy_GBps": round(bw, 1),
-                           "shapes": {} if args.chain_only else shape_sweep(bw)}
+    res: dict[str, Any] = {"copy_GBps": round(bw, 1), "shapes": shape_sweep(bw)}
     res["layer_chain"] = layer_chain(res["shapes"], bw)
     (out / "gemv_probe.json").write_text(json.dumps(res, indent=1))
 

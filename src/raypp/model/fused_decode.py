@@ -4,13 +4,13 @@ A decode step at a small batch reads every weight once and does little arithmeti
 what costs beyond the bytes is kernels that each take microseconds to start and drain:
 about a dozen per layer on the compiled path (cuBLAS GEMMs, Inductor's norm, rotary and
 SiLU kernels). :func:`fused_decode_forward` runs a layer as kernels of
-:mod:`raypp.model.triton_decode`. At batch 1, five:
+:mod:`raypp.model.triton_decode`, seven:
 
-    add+RMSNorm+qkv GEMV → rotary + KV store + attention → o GEMV
-    → add+RMSNorm+gate/up GEMV with SiLU·mul → down GEMV
+    add+RMSNorm → qkv → rotary + KV store + attention → o → add+RMSNorm
+    → gate/up with SiLU·mul → down
 
-(each GEMV program normalizes the 2-4 KB row itself); at 2..``GEMM_MAX_ROWS`` rows the
-norms are kernels of their own and the projections tensor-core GEMMs split over K.
+where the projections are GEMVs at batch 1 and tensor-core GEMMs split over K at
+2..``GEMM_MAX_ROWS`` rows.
 Every kernel is launched with programmatic dependent launch on Hopper, so it loads its
 first weights while the previous one drains. It computes what
 :meth:`raypp.model.llama.LlamaStageModel.forward` computes for decode tokens,
@@ -26,9 +26,7 @@ import torch
 
 from raypp.model.triton_decode import (
     GEMM_MAX_ROWS,
-    gemm,
     linear,
-    norm_gemv,
     pdl_supported,
     rms_norm,
     rope_decode_attention,
@@ -84,8 +82,6 @@ def fused_decode_forward(model: Any, kv_caches: list[torch.Tensor], positions: t
 def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: Any, w: torch.Tensor,
                  bias: torch.Tensor | None, gated: bool, pdl: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(rms_norm(x + residual)), x + residual)``: one kernel for one row."""
-    if x.shape[0] == 1:
-        return norm_gemv(x, residual, norm.weight, norm.eps, w, bias, gated, pdl)
+    """``(linear(rms_norm(x + residual)), x + residual)``."""
     x, residual = rms_norm(x, residual, norm.weight, norm.eps, pdl)
-    return gemm(x, w, bias, gated, pdl), residual
+    return linear(x, w, bias, gated, pdl), residual

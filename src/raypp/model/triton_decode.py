@@ -91,12 +91,10 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, n,
-                 K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                 PDL: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < n
     if PDL:
@@ -110,23 +108,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_w_ptr, res_out_ptr,
         u = tl.load(up_rows, mask=mask, other=0.0, eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_wait()
-    dtype = out_ptr.dtype.element_ty
-    if NORM:  # every program normalizes the (4-byte-per-element small) row itself
-        full = tl.arange(0, K_P2)
-        s = _residual_sum(x_ptr, res_ptr, full, full < K, HAS_RES, dtype)
-        if HAS_RES & (pid == 0):
-            tl.store(res_out_ptr + full, s.to(dtype), mask=full < K)
-        r = tl.rsqrt(tl.sum(s * s, 0) / K + eps)
     acc = tl.zeros([BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_N], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
-        k_mask = k0 + rk < K
-        if NORM:  # rounded where rms_norm rounds its output
-            x = _residual_sum(x_ptr + k0, res_ptr + k0, rk, k_mask, HAS_RES, dtype)
-            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
-            x = (nw * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
         if GATED:
             acc_up += tl.sum(u.to(tl.float32) * x[None, :], 1)
@@ -138,17 +123,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_w_ptr, res_out_ptr,
                             eviction_policy="evict_first")
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, _gated_epilogue(acc, acc_up, GATED, dtype), mask=n_mask)
-
-
-@triton.jit
-def _residual_sum(x_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr, dtype: tl.constexpr):
-    """``x + residual`` in fp32, rounded to the model dtype as the residual stream is."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(dtype).to(tl.float32)
-    return x
+    tl.store(out_ptr + rn, _gated_epilogue(acc, acc_up, GATED, out_ptr.dtype.element_ty),
+             mask=n_mask)
 
 
 @triton.jit
@@ -183,35 +159,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: boo
     """``x @ w.T + bias`` for ``x`` of one contiguous row ``[1, K]``; ``gated``:
     ``silu(x @ w[:n].T) * (x @ w[n:].T)`` with ``n = w.shape[0] // 2``. ``config``
     overrides :func:`gemv_config` (powers of two)."""
-    return _gemv(x, None, None, 0.0, w, bias, gated, pdl, config)[0]
-
-
-def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-              eps: float, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
-              config: tuple[int, int, int] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rms_norm` then :func:`gemv` in one kernel: ``(gemv(rms_norm(x, residual)),
-    the new residual)`` (``x`` itself when ``residual`` is None)."""
-    return _gemv(x, residual, norm_weight, eps, w, bias, gated, pdl, config)
-
-
-def _gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-          eps: float, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
-          config: tuple[int, int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous()
-    assert residual is None or residual.is_contiguous()
     k = w.shape[1]
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else x
     bn, bk, warps = config or gemv_config(n, k, gated, w.dtype)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, bias if bias is not None else w, out, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else w, res_out, eps, n, K=k,
-        K_P2=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk, GATED=gated,
-        HAS_BIAS=bias is not None, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    return out, res_out
+        x, w, bias if bias is not None else w, out, n, K=k, BLOCK_N=bn, BLOCK_K=bk,
+        GATED=gated, HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out
 
 
 # -- GEMM for a decode batch ------------------------------------------------------------------
@@ -221,8 +177,8 @@ def _gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Ten
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, m, n, stride_x,
                  K: tl.constexpr, K_PER: tl.constexpr, STEPS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 SPLIT_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -235,28 +191,45 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, m, n, stri
         tl.extra.cuda.gdc_launch_dependents()
     w_at = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
     up_at = w_at + n.to(tl.int64) * K  # gated: the up rows follow all gate rows
-    # the first tile of weights is loaded before waiting for the previous kernel
-    mask = n_mask[:, None] & (k0 + rk[None, :] < K)
-    w = tl.load(w_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
-    if GATED:
-        u = tl.load(up_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     x_at = x_ptr + rm[:, None] * stride_x + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for i in range(STEPS):
-        kk = k0 + i * BLOCK_K
-        x = tl.load(x_at + kk, mask=m_mask[:, None] & (kk + rk[None, :] < K), other=0.0)
-        mask = n_mask[:, None] & (kk + BLOCK_K + rk[None, :] < K) & (i + 1 < STEPS)
-        w_next = tl.load(w_at + kk + BLOCK_K, mask=mask, other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        w = w_next
+    if STAGES == 1:
+        # registers double-buffer the weights; the first tile is loaded before waiting
+        # for the previous kernel
+        mask = n_mask[:, None] & (k0 + rk[None, :] < K)
+        w = tl.load(w_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
         if GATED:
-            u_next = tl.load(up_at + kk + BLOCK_K, mask=mask, other=0.0,
+            u = tl.load(up_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for i in range(STEPS):
+            kk = k0 + i * BLOCK_K
+            x = tl.load(x_at + kk, mask=m_mask[:, None] & (kk + rk[None, :] < K), other=0.0)
+            mask = n_mask[:, None] & (kk + BLOCK_K + rk[None, :] < K) & (i + 1 < STEPS)
+            w_next = tl.load(w_at + kk + BLOCK_K, mask=mask, other=0.0,
                              eviction_policy="evict_first")
-            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
-            u = u_next
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            w = w_next
+            if GATED:
+                u_next = tl.load(up_at + kk + BLOCK_K, mask=mask, other=0.0,
+                                 eviction_policy="evict_first")
+                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+                u = u_next
+    else:  # Triton's software pipeline keeps STAGES tiles in flight (shared memory)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for i in tl.range(STEPS, num_stages=STAGES):
+            kk = k0 + i * BLOCK_K
+            k_mask = kk + rk[None, :] < K
+            x = tl.load(x_at + kk, mask=m_mask[:, None] & k_mask, other=0.0)
+            w = tl.load(w_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
+                        eviction_policy="evict_first")
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATED:
+                u = tl.load(up_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
+                            eviction_policy="evict_first")
+                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
     out_at = rm[:, None] * n + rn[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -294,19 +267,21 @@ def _gemm_store(out_ptr, b_ptr, acc, acc_up, out_at, o_mask, rn, n_mask, GATED: 
 
 
 GEMM_MAX_ROWS = 64
-GemmConfig = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, split-K, warps)
+GemmConfig = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, split-K, warps, stages)
 
 
 def gemm_config(m: int, n: int, k: int, gated: bool, dtype: torch.dtype) -> GemmConfig:
-    """``(rows of w per program, K per tile, K splits, warps)`` for ``m`` rows: tiles of
-    16 KB of weights, split over K until about two programs per SM."""
+    """``(rows of w per program, K per tile, K splits, warps, pipeline stages)`` for ``m``
+    rows: tiles of 16 KB of weights, split over K until about two programs per SM;
+    one stage: the weights double-buffered in registers, the first tile loaded before
+    the PDL wait."""
     bn = 64 if n >= 4096 else 32
     bk = max(16, min(256 // (2 if dtype.itemsize > 2 else 1) // (2 if gated else 1),
                      triton.next_power_of_2(k)))
     split = 1
     while triton.cdiv(n, bn) * split < 256 and k // (2 * split) >= 2 * bk:
         split *= 2
-    return bn, bk, split, 4
+    return bn, bk, split, 4, 1
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
@@ -318,7 +293,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: boo
     m, k = x.shape
     assert m <= GEMM_MAX_ROWS and x.stride(1) == 1 and w.is_contiguous()
     n = w.shape[0] // 2 if gated else w.shape[0]
-    bn, bk, split, warps = config or gemm_config(m, n, k, gated, w.dtype)
+    bn, bk, split, warps, stages = config or gemm_config(m, n, k, gated, w.dtype)
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -331,9 +306,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: boo
     _gemm_kernel[(triton.cdiv(n, bn), split)](
         x, w, bias if bias is not None else w, out, part, counters, m, n, x.stride(0), K=k,
         K_PER=k_per, STEPS=k_per // bk, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=gated, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps,
-        num_stages=1, launch_pdl=pdl)
+        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, STAGES=stages, GATED=gated,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
@@ -356,7 +331,8 @@ def _rope_decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS_P2: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_P2: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr, SINGLE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -379,7 +355,11 @@ def _rope_decode_kernel(
     sin = tl.load(sin_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
     cos = cos.to(dtype).to(tl.float32)  # the tables in the model dtype, as the unfused path
     sin = tl.where(offs_d < half, -1.0, 1.0) * sin.to(dtype).to(tl.float32)
-    if PDL:
+    if PDL:  # this split's first cached tokens, into L2 while the previous kernel drains
+        first = split * part_tokens
+        _prefetch_pages(key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt,
+                        first, tl.minimum(first + BLOCK, seq_len - 1), kv_head, NUM_KV_HEADS,
+                        HEAD_DIM, BLOCK_SIZE, BLOCK, LINES, LINE)
         tl.extra.cuda.gdc_wait()
 
     row = qkv_ptr + seq * stride_qkv
@@ -450,6 +430,27 @@ def _rope_decode_kernel(
                      mask=(offs_h < GROUP)[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _prefetch_pages(key_cache_ptr, value_cache_ptr, table, start, end, kv_head,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, LINES: tl.constexpr,
+                    LINE: tl.constexpr):
+    """Ask L2 for one kv head's keys and values of the cached tokens ``[start,
+    min(end, start + TOKENS))``: ``LINES`` lines of ``LINE`` elements per token (a hint,
+    nothing is read into registers)."""
+    toks = start + tl.arange(0, TOKENS)
+    live = toks < end
+    page = tl.load(table + toks // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    dim = tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)
+    offs = ((page * BLOCK_SIZE + toks % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) +
+            kv_head * HEAD_DIM)[:, None] + dim[None, :]
+    offs = tl.where(live[:, None], offs, 0)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [key_cache_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [value_cache_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
@@ -485,7 +486,10 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
         GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK=DEFAULT_LAUNCH.block,
-        SPLITS_P2=triton.next_power_of_2(splits), SINGLE=single,
+        SPLITS_P2=triton.next_power_of_2(splits),
+        LINES=triton.next_power_of_2(-(-head_dim * key_cache.element_size() // 128)),
+        LINE=128 // key_cache.element_size(),
+        SINGLE=single,
         IEEE=qkv.dtype == torch.float32, PDL=pdl,
         num_warps=4 if seqs == 1 else DEFAULT_LAUNCH.num_warps,  # batch 1: H200 sweep, run 6
         num_stages=DEFAULT_LAUNCH.num_stages, launch_pdl=pdl)
