@@ -272,16 +272,22 @@ GemmConfig = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, split-K, warps
 
 def gemm_config(m: int, n: int, k: int, gated: bool, dtype: torch.dtype) -> GemmConfig:
     """``(rows of w per program, K per tile, K splits, warps, pipeline stages)`` for ``m``
-    rows: tiles of 16 KB of weights, split over K until about two programs per SM;
-    one stage: the weights double-buffered in registers, the first tile loaded before
-    the PDL wait."""
-    bn = 64 if n >= 4096 else 32
-    bk = max(16, min(256 // (2 if dtype.itemsize > 2 else 1) // (2 if gated else 1),
-                     triton.next_power_of_2(k)))
-    split = 1
-    while triton.cdiv(n, bn) * split < 256 and k // (2 * split) >= 2 * bk:
-        split *= 2
-    return bn, bk, split, 4, 1
+    rows: the fastest settings with PDL of an H200 sweep at the Llama-3.2-1B shapes and
+    32 or 64 rows (``raypp.bench.gemm_probe``; benchmarks/gpu run 9), by shape class;
+    K tiles halve for 4-byte weights. One stage: the weights double-buffered in
+    registers, the first tile loaded before the PDL wait."""
+    wide = m > 32
+    if gated:
+        bn, bk, split, stages = (64, 128, 1, 4) if wide else (32, 256, 1, 3)
+    elif k >= 4096:
+        bn, bk, split, stages = (32, 256, 2, 4) if wide else (32, 128, 4, 4)
+    elif n > k:
+        bn, bk, split, stages = (32, 128, 4, 3) if wide else (32, 128, 4, 4)
+    else:
+        bn, bk, split, stages = (32, 256, 2, 4) if wide else (32, 256, 4, 4)
+    if dtype.itemsize > 2:
+        bk, stages = bk // 2, min(stages, 3)
+    return bn, max(16, min(bk, triton.next_power_of_2(k))), split, 4, stages
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool, pdl: bool,
