@@ -494,7 +494,7 @@ def _kv_bytes_per_token(w: Any) -> int:
 _CATEGORIES = (
     ("attention: paged decode (Triton)", ("_paged_decode", "_combine_kernel", "_rope_decode")),
     ("kv cache store (Triton)", ("_store_kv",)),
-    ("gemm / gemv (cuBLAS; Triton GEMV at batch 1)",
+    ("gemm / gemv (Triton GEMV at batch 1, Triton GEMM at 2..64, cuBLAS above)",
      ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "cublas", "matmul")),
     ("memcpy / memset", ("memcpy", "memset")),
     ("argmax / sampling", ("argmax", "sort", "topk", "softmax", "cumsum", "log_")),
