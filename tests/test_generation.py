@@ -137,3 +137,15 @@ def test_env_defaults_to_wrapped_communicator():
     from raypp import envs
 
     assert envs.RAYPP_USE_RAY_WRAPPED_PP_COMM is True
+
+
+def test_integer_env_reads_and_names_a_bad_value(monkeypatch):
+    from raypp import envs
+
+    monkeypatch.delenv("RAYPP_FUSED_DECODE", raising=False)
+    assert envs.RAYPP_FUSED_DECODE == 64
+    monkeypatch.setenv("RAYPP_FUSED_DECODE", "8")
+    assert envs.RAYPP_FUSED_DECODE == 8
+    monkeypatch.setenv("RAYPP_FUSED_DECODE", "on")
+    with pytest.raises(ValueError, match="RAYPP_FUSED_DECODE='on': expected an integer"):
+        _ = envs.RAYPP_FUSED_DECODE

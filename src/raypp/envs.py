@@ -19,7 +19,14 @@ def _bool(name: str, default: str) -> Callable[[], bool]:
 
 
 def _int(name: str, default: str) -> Callable[[], int]:
-    return lambda: int(os.environ.get(name, default))
+    def read() -> int:
+        value = os.environ.get(name, default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: expected an integer") from None
+
+    return read
 
 
 def _float(name: str, default: str) -> Callable[[], float]:
