@@ -1,10 +1,12 @@
-"""Triton kernels of the single-sequence decode chain (:mod:`raypp.model.fused_decode`).
+"""Triton kernels of the small-batch decode chain (:mod:`raypp.model.fused_decode`).
 
 - :func:`rms_norm`: ``x (+ residual)`` RMS-normalized in one program per row; the sum
   is written as the new residual.
 - :func:`gemv`: ``x @ w.T (+ bias)`` for one row of ``x``; each program owns a few rows
   of ``w`` and streams them over ``K``. ``gated`` computes ``silu(x @ gate.T) *
   (x @ up.T)`` from a fused gate/up weight (gate rows first).
+- :func:`gemm`: the same for 2..64 rows on tensor cores, split over ``K`` where the
+  weight has few rows (the last split to finish sums the partials in split order).
 - :func:`rope_decode_attention`: one decode step of a layer from the raw qkv
   projection: rotary on q and k, k/v stored in the paged cache, attention of q over
   the cached context plus this step's k/v (taken from registers, so no program reads
