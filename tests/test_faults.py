@@ -234,9 +234,10 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
         assert wait_suspended(executor, timeout=10)
         procs = [psutil.Process(pid) for pid in ray.get([w.ping.remote() for w in
                                                           executor.all_workers])]
+        time.sleep(1)  # the teardown's last work (channel and thread clean-up) is not idling
         before = [sum(p.cpu_times()[:2]) for p in procs]
-        time.sleep(6)
-        used = [(sum(p.cpu_times()[:2]) - b) / 6 for p, b in zip(procs, before)]
+        time.sleep(8)
+        used = [(sum(p.cpu_times()[:2]) - b) / 8 for p, b in zip(procs, before)]
         assert all(u <= 0.05 for u in used), f"idle CPU per stage: {used}"
         # the next request recompiles transparently
         again = llm.generate("The list type", SHORT, use_tqdm=False)
