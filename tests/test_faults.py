@@ -238,7 +238,10 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
         before = [sum(p.cpu_times()[:2]) for p in procs]
         time.sleep(8)
         used = [(sum(p.cpu_times()[:2]) - b) / 8 for p, b in zip(procs, before)]
-        assert all(u <= 0.05 for u in used), f"idle CPU per stage: {used}"
+        # suspended: 0.02-0.03 of a core alone, up to 0.053 late in a full test session
+        # on a 2-core VM (the cluster has churned many actors by then); a stage whose
+        # compiled graph stays up polls its channels: 0.08-0.21 here, 0.8 on a quiet box
+        assert all(u <= 0.065 for u in used), f"idle CPU per stage: {used}"
         # the next request recompiles transparently
         again = llm.generate("The list type", SHORT, use_tqdm=False)
         assert again[0].outputs[0].token_ids and not executor.suspended
