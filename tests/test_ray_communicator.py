@@ -20,11 +20,9 @@ class _Rank:
         self.rank, self.world = rank, world
 
     def address(self) -> str:
-        import socket
+        from raypp.distributed.ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return f"tcp://127.0.0.1:{free_port()}"
 
     def init(self, init_method: str) -> None:
         from raypp.distributed import parallel_state
@@ -218,3 +216,23 @@ def test_closing_sender_removes_a_segment_no_receiver_mapped():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_rendezvous_port_is_free_and_outside_the_ephemeral_range(monkeypatch, tmp_path):
+    """A port another process may bind later: free now, and below the range the kernel
+    gives out for outgoing connections; ``bind(0)`` when that range leaves no room."""
+    import socket
+
+    from raypp.distributed import ports
+
+    low = ports._ephemeral_start()
+    for _ in range(20):
+        port = ports.free_port()
+        assert ports._LOWEST <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    squeezed = tmp_path / "range"
+    squeezed.write_text("1024\t65000\n")
+    monkeypatch.setattr(ports, "_RANGE_FILE", squeezed)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.free_port()))

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import random
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -313,6 +312,7 @@ class StageHarness:
 
     def __init__(self, ckpt: Path, max_num_seqs: int, num_blocks: int):
         from raypp.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+        from raypp.distributed.ports import free_port
         from raypp.executor.worker import StageWorker
 
         config = EngineConfig(
@@ -323,10 +323,7 @@ class StageHarness:
         )
         self.block_size = config.cache.block_size
         self.worker = StageWorker(config, 0, 0)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.worker.init_distributed(f"tcp://127.0.0.1:{port}")
+        self.worker.init_distributed(f"tcp://127.0.0.1:{free_port()}")
         self.worker.load_model()
         self.worker.init_kv_cache(num_blocks)
         self.blocks_per_seq = -(-MAX_MODEL_LEN // self.block_size)

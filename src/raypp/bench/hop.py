@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from raypp import envs
 from raypp.bench.cluster import start_ray
 from raypp.bench.cpu import CpuMeter
 from raypp.bench.report import format_table, percentile, run_context, summarize, write_json
+from raypp.distributed.ports import free_port
 
 TRANSPORTS = ("raypp", "shm", "default", "actor")
 _TRANSPORT_LABELS = {
@@ -64,9 +64,7 @@ class HopStage:
         return os.getpid()
 
     def rendezvous_address(self) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return f"tcp://127.0.0.1:{free_port()}"
 
     def init_group(self, init_method: str, timeout_s: float) -> None:
         from raypp.distributed import parallel_state

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from raypp import envs
 from raypp.config import EngineConfig, partition_layers
 from raypp.distributed import parallel_state, ray_compat
 from raypp.distributed.parallel_state import RankLayout
+from raypp.distributed.ports import free_port
 from raypp.engine.sampler import SamplingTensors, sample
 from raypp.engine.step import StepInput, StepOutput
 from raypp.executor.cuda_graphs import DecodeGraphs
@@ -61,10 +61,7 @@ class StageWorker:
     def rendezvous_address(self) -> str:
         """A ``tcp://ip:port`` on this node with a port free right now (rank 0 only)."""
         ip = _node_ip()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        return f"tcp://{ip}:{free_port(ip)}"
 
     def init_distributed(self, init_method: str) -> None:
         parallel_state.init_distributed(
