@@ -19,8 +19,8 @@
 
 On Hopper and later (compute capability 9+) every kernel here is launched with
 programmatic dependent launch (PDL): it lets the next kernel in the stream start
-early (``gdc_launch_dependents``), loads only what no earlier kernel of the step
-writes (weights, rotary tables, graph inputs) and then waits for its predecessor
+early (``gdc_launch_dependents``), may load what no earlier kernel of the step
+writes (weights, rotary tables, graph inputs), and waits for its predecessor
 (``gdc_wait``) before reading that predecessor's output. A decode step is a chain of
 small memory-bound kernels, and this hides each one's start-up behind the previous
 one's tail. Earlier GPUs get the same kernels without PDL.
@@ -196,42 +196,19 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, m, n, stri
     x_at = x_ptr + rm[:, None] * stride_x + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if STAGES == 1:
-        # registers double-buffer the weights; the first tile is loaded before waiting
-        # for the previous kernel
-        mask = n_mask[:, None] & (k0 + rk[None, :] < K)
-        w = tl.load(w_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+    if PDL:  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+    for i in tl.range(STEPS, num_stages=STAGES):  # STAGES tiles in flight (shared memory)
+        kk = k0 + i * BLOCK_K
+        k_mask = kk + rk[None, :] < K
+        x = tl.load(x_at + kk, mask=m_mask[:, None] & k_mask, other=0.0)
+        w = tl.load(w_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
+                    eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
-            u = tl.load(up_at + k0, mask=mask, other=0.0, eviction_policy="evict_first")
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for i in range(STEPS):
-            kk = k0 + i * BLOCK_K
-            x = tl.load(x_at + kk, mask=m_mask[:, None] & (kk + rk[None, :] < K), other=0.0)
-            mask = n_mask[:, None] & (kk + BLOCK_K + rk[None, :] < K) & (i + 1 < STEPS)
-            w_next = tl.load(w_at + kk + BLOCK_K, mask=mask, other=0.0,
-                             eviction_policy="evict_first")
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            w = w_next
-            if GATED:
-                u_next = tl.load(up_at + kk + BLOCK_K, mask=mask, other=0.0,
-                                 eviction_policy="evict_first")
-                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
-                u = u_next
-    else:  # Triton's software pipeline keeps STAGES tiles in flight (shared memory)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for i in tl.range(STEPS, num_stages=STAGES):
-            kk = k0 + i * BLOCK_K
-            k_mask = kk + rk[None, :] < K
-            x = tl.load(x_at + kk, mask=m_mask[:, None] & k_mask, other=0.0)
-            w = tl.load(w_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
+            u = tl.load(up_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
                         eviction_policy="evict_first")
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if GATED:
-                u = tl.load(up_at + kk, mask=n_mask[:, None] & k_mask, other=0.0,
-                            eviction_policy="evict_first")
-                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
     out_at = rm[:, None] * n + rn[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -276,8 +253,7 @@ def gemm_config(m: int, n: int, k: int, gated: bool, dtype: torch.dtype) -> Gemm
     """``(rows of w per program, K per tile, K splits, warps, pipeline stages)`` for ``m``
     rows: the fastest settings with PDL of an H200 sweep at the Llama-3.2-1B shapes and
     32 or 64 rows (``raypp.bench.gemm_probe``; benchmarks/gpu run 9), by shape class;
-    K tiles halve for 4-byte weights. One stage: the weights double-buffered in
-    registers, the first tile loaded before the PDL wait."""
+    K tiles halve for 4-byte weights."""
     wide = m > 32
     if gated:
         bn, bk, split, stages = (64, 128, 1, 4) if wide else (32, 256, 1, 3)
