@@ -179,12 +179,19 @@ class SchedulerConfig:
     identical to single steps (tokens past a stop are dropped); new requests wait
     at most one such multi-step, and streamed tokens arrive in groups. Needs
     ``pipeline_parallel_size == 1``; sequences with penalties decode one step at a time.
+
+    ``async_scheduling`` (one-stage pipelines): while a multi-step decode round runs,
+    the engine already submits the batch's next round, whose input ids the stage
+    takes on the device from the running round's last tokens, so the stage never
+    waits for the engine's bookkeeping between rounds. Outputs are unchanged (tokens
+    past a stop are dropped); new requests then wait up to two rounds.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_inflight: int | None = None
     num_decode_steps: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps"):
@@ -193,6 +200,8 @@ class SchedulerConfig:
                 raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
 
 
 @dataclass
@@ -229,6 +238,19 @@ class EngineConfig:
             self.parallel.pipeline_parallel_size,
             self.parallel.layer_partition,
         )
+
+    @property
+    def rounds_ahead(self) -> int:
+        """Decode rounds the engine submits ahead of a running one: 1 with
+        ``async_scheduling`` on a one-stage pipeline (the only kind that runs
+        multi-step rounds), else 0."""
+        sc = self.scheduler
+        return int(sc.async_scheduling and self.parallel.pipeline_parallel_size == 1)
+
+    @property
+    def executor_depth(self) -> int:
+        """Steps an executor must accept at once: ``max_inflight`` plus ``rounds_ahead``."""
+        return (self.scheduler.max_inflight or 1) + self.rounds_ahead
 
 
 def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:

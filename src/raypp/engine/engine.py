@@ -190,6 +190,11 @@ class LLMEngine:
         if not self._inflight:
             return []
         item = self._inflight.popleft()
+        try:
+            self._submit_next_round(item)
+        except (StageDiedError, StepTimeoutError) as e:
+            self._inflight.appendleft(item)
+            return self._on_executor_failure(e)
         waited = time.perf_counter()
         try:
             result: StepOutput = self.executor.result(item.handle)
@@ -223,6 +228,26 @@ class LLMEngine:
                 return
             step = self._build_step(batch)
             self._inflight.append(_InFlight(batch, step, self.executor.submit(step)))
+
+    def _submit_next_round(self, item: _InFlight) -> None:
+        """Asynchronous scheduling: submit the next decode round of ``item`` (just taken
+        from the pipeline, its result not yet read) so the stage starts it as soon as
+        ``item`` ends. Only when ``item`` loops on the device, nothing else is in
+        flight, and no waiting request could join a freshly scheduled batch instead."""
+        step = item.step
+        if (not self.config.rounds_ahead or self._inflight
+                or (step.num_steps == 1 and step.continues is None)
+                or self.scheduler.can_admit()):
+            return
+        batch = self.scheduler.continue_batch(item.batch)
+        if batch is None:
+            return
+        rows = {id(s.seq): r for r, s in enumerate(item.batch.seqs)}
+        nxt = self._build_step(batch)
+        nxt.continues = step.step_id
+        nxt.continue_rows = [rows[id(s.seq)] for s in batch.seqs]
+        # if submitting fails, the caller's failure path requeues every running sequence
+        self._inflight.append(_InFlight(batch, nxt, self.executor.submit(nxt)))
 
     # -- failures --------------------------------------------------------------------------
     def _fail_batch(self, batch: MicroBatch, message: str, kind: str) -> list[RequestOutput]:
@@ -303,9 +328,12 @@ class LLMEngine:
         ids, positions, slots, query_start, seq_lens, tables, rows = [], [], [], [0], [], [], []
         sampled: list[Sequence] = []
         for item in batch.seqs:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start = item.seq, item.seq.num_computed_tokens + batch.ahead
             end = start + item.num_tokens
-            ids.extend(seq.all_token_ids[start:end])
+            if batch.ahead:  # the stage feeds the previous round's last tokens
+                ids.append(0)
+            else:
+                ids.extend(seq.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self.block_manager.slot(seq, p) for p in range(start, end))
             query_start.append(len(ids))
@@ -323,7 +351,7 @@ class LLMEngine:
             block_tables=tables,
             slot_mapping=slots,
             sample_rows=rows,
-            sampling=_sampling_batch(sampled) if sampled else None,
+            sampling=_sampling_batch(sampled, batch.ahead) if sampled else None,
             num_steps=batch.num_steps,
             trace=self.trace_steps,
         )
@@ -509,7 +537,8 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+def _sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
+    """The rows' sampling settings; ``ahead``: tokens each samples in flight before these."""
     params = [s.params for s in seqs]
     penalized = [p.uses_penalties for p in params]
     return SamplingBatch(
@@ -518,7 +547,7 @@ def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         top_k=[p.top_k for p in params],
         min_p=[p.min_p for p in params],
         seeds=[s.seed for s in seqs],
-        output_index=[len(s.output_token_ids) for s in seqs],
+        output_index=[len(s.output_token_ids) + ahead for s in seqs],
         num_logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],

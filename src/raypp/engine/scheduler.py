@@ -6,7 +6,9 @@ of a long prompt), then waiting ones while the token, sequence and block budgets
 allow. When blocks run out a running sequence is preempted by recompute (its
 blocks are freed and it re-enters the waiting queue at the front; its output so
 far is kept, so the result is identical to an unpreempted run). A sequence is
-never in two micro-batches at once.
+never in two micro-batches at once, except that :meth:`Scheduler.continue_batch`
+may put a decode batch's sequences into their next round while the current one
+runs (asynchronous scheduling); results are completed in submission order.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class MicroBatch:
     seqs: list[ScheduledSeq]
     # decode steps run back to back (> 1 only when every sequence is decoding)
     num_steps: int = 1
+    # tokens each sequence samples in the round this one continues (0: not a continuation)
+    ahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +65,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_admit(self) -> bool:
+        """True if a waiting sequence could join the next scheduled batch (by count)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     @property
     def num_active(self) -> int:
@@ -105,31 +113,65 @@ class Scheduler:
         if not chosen:
             return None
         for item in chosen:
-            item.seq.in_flight = True
-        return MicroBatch(chosen, self._decode_horizon(chosen))
+            item.seq.in_flight += 1
+        steps = 1
+        if self.config.num_decode_steps > 1 and all(_loops_on_device(item) for item in chosen):
+            steps = self._decode_horizon([item.seq for item in chosen], ahead=0)
+        return MicroBatch(chosen, steps)
 
-    def _decode_horizon(self, chosen: list[ScheduledSeq]) -> int:
-        """Decode steps ``chosen`` may run in one go, with cache blocks reserved for all.
+    def continue_batch(self, batch: MicroBatch) -> MicroBatch | None:
+        """The next round of decode ``batch`` while it is still in flight, or ``None``.
 
-        1 unless every sequence feeds exactly its last token and samples without
-        penalties (those need the previous step's tokens on the host). No more
-        steps than any sequence could use, none past ``max_model_len``, and
-        fewer when free blocks run short (no preemption for look-ahead).
+        Its sequences are those of ``batch`` still running that have room for a
+        token after ``batch``'s; each feeds the last token ``batch`` samples (the
+        stage takes it on the device). ``None`` if ``batch`` is not a device-side
+        decode round, none of its sequences qualifies, or cache blocks for even one
+        step are short (a continuation never preempts).
+        """
+        if not all(_loops_on_device(item) for item in batch.seqs):
+            return None
+        ahead = batch.num_steps
+        seqs = [item.seq for item in batch.seqs
+                if item.seq.status is SequenceStatus.RUNNING and self._room(item.seq, ahead) > 0]
+        if not seqs:
+            return None
+        steps = self._decode_horizon(seqs, ahead)
+        if steps == 0:
+            return None
+        for seq in seqs:
+            seq.in_flight += 1
+        return MicroBatch([ScheduledSeq(seq, 1, True) for seq in seqs], steps, ahead)
+
+    def _room(self, seq: Sequence, ahead: int) -> int:
+        """Tokens ``seq`` may sample after the ``ahead`` it has in flight."""
+        room = self.max_model_len - seq.num_tokens - ahead
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - ahead)
+        return room
+
+    def _decode_horizon(self, seqs: list[Sequence], ahead: int) -> int:
+        """Decode steps ``seqs`` may run in one go, with cache blocks reserved for all.
+
+        ``ahead``: tokens each sequence samples in flight before this round. No
+        more steps than any sequence could use, none past ``max_model_len``, and
+        fewer when free blocks run short (no preemption for look-ahead); 0 when
+        not even one step's blocks are free (only possible with ``ahead``).
         """
         limit = self.config.num_decode_steps
-        if limit == 1 or any(item.num_tokens != 1 or not item.sample
-                             or item.seq.params.uses_penalties for item in chosen):
-            return 1
-        seqs = [item.seq for item in chosen]
-        wanted = max(limit if s.params.max_tokens is None
-                     else s.params.max_tokens - len(s.output_token_ids) for s in seqs)
-        room = min(self.max_model_len - s.num_tokens for s in seqs)
+        wanted = max(self._room(s, ahead) if s.params.max_tokens is not None else limit
+                     for s in seqs)
+        room = min(self.max_model_len - s.num_tokens - ahead for s in seqs)
         steps = max(1, min(limit, wanted, room))
-        while steps > 1 and (sum(self.blocks.blocks_needed(s, s.num_tokens + steps - 1) for s in seqs)
-                             > self.blocks.num_free):
+
+        def needed(n: int) -> int:
+            return sum(self.blocks.blocks_needed(s, s.num_tokens + ahead + n - 1) for s in seqs)
+
+        while steps > 1 and needed(steps) > self.blocks.num_free:
             steps -= 1
+        if needed(steps) > self.blocks.num_free:
+            return 0
         for seq in seqs:
-            self.blocks.allocate(seq, seq.num_tokens + steps - 1)
+            self.blocks.allocate(seq, seq.num_tokens + ahead + steps - 1)
         return steps
 
     @staticmethod
@@ -167,7 +209,7 @@ class Scheduler:
         """Send a running sequence back to the front of the queue; it will recompute."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.in_flight = False
+        seq.in_flight = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -179,6 +221,12 @@ class Scheduler:
         sampled ones are in the cache; the last sampled one is not.
         """
         for item in batch.seqs:
-            item.seq.in_flight = False
+            item.seq.in_flight = max(0, item.seq.in_flight - 1)
             if item.seq.status is SequenceStatus.RUNNING:
                 item.seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
+
+
+def _loops_on_device(item: ScheduledSeq) -> bool:
+    """True if ``item`` can decode on the device across steps: it feeds exactly its
+    last token and samples without penalties (those need the tokens on the host)."""
+    return item.num_tokens == 1 and item.sample and not item.seq.params.uses_penalties

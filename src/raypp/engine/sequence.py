@@ -35,7 +35,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    in_flight: bool = False
+    in_flight: int = 0  # micro-batches in flight that hold this sequence
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None

@@ -5,7 +5,10 @@ ids and positions, where those tokens go in the paged cache, and how to sample
 the rows that end a sequence's query. It holds plain Python lists, so it pickles
 small and never aliases a channel buffer. The last stage answers with a
 :class:`StepOutput` of sampled ids (and logprobs when asked), again plain lists.
-A pure decode micro-batch may ask for several decode steps at once (``num_steps``).
+A pure decode micro-batch may ask for several decode steps at once (``num_steps``),
+and a decode round may continue the previous round of the same sequences
+(``continues``): its input ids are then that round's last sampled tokens, which
+the stage still holds on the device, so the engine can submit it before they return.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ class StepInput:
     # decode steps to run back to back (> 1 only for pure decode on a one-stage pipeline):
     # the stage feeds each sampled token back as the next input on the device
     num_steps: int = 1
+    # step id of the decode round this one continues (one-stage pipeline): input id r is
+    # that round's last sampled token of its row continue_rows[r] (input_ids are placeholders)
+    continues: int | None = None
+    continue_rows: list[int] = field(default_factory=list)
     # test-only tracing: stages record compute intervals when set
     trace: bool = False
 

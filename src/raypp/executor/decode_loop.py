@@ -4,7 +4,9 @@ After each step the sampled tokens become the next step's input ids, and the
 positions, context lengths and cache slots advance by one, all by device ops on
 the step's input tensors (which may be a CUDA graph's static buffers). Nothing
 waits on the device until every step is queued; one copy brings all sampled ids
-back. The engine reserved cache blocks for every step beforehand.
+back. The engine reserved cache blocks for every step beforehand. The last
+step's tokens stay on the device too, as a following round's input ids
+(:attr:`DecodeRun.last_tokens`).
 """
 
 from __future__ import annotations
@@ -65,9 +67,17 @@ class DecodeInputs:
         torch.add(self.positions % block_size, blocks, alpha=block_size, out=self.slot_mapping)
 
 
+@dataclass
+class DecodeRun:
+    """What :func:`run_decode_steps` sampled."""
+
+    token_ids: list[list[int]]  # per row, its num_steps ids
+    logprobs: list[list[RowLogprobs] | None]  # per row, None unless asked for
+    last_tokens: torch.Tensor  # [rows] int64 on the device: the last step's ids
+
+
 def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
-                     sampling: SamplingTensors, num_steps: int, block_size: int
-                     ) -> tuple[list[list[int]], list[list[RowLogprobs] | None]]:
+                     sampling: SamplingTensors, num_steps: int, block_size: int) -> DecodeRun:
     """Run ``num_steps`` decode steps; per row, its sampled ids and (if asked) logprobs.
 
     ``forward()`` runs the model on ``inputs`` as they are now and returns the
@@ -88,15 +98,14 @@ def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
             inputs.advance(sampled, block_size)
     token_ids = torch.stack(tokens, dim=1).tolist()
     if not stats:
-        return token_ids, [None] * len(token_ids)
+        return DecodeRun(token_ids, [None] * len(token_ids), tokens[-1])
     per_step = [row_logprobs(*s, sampling.num_logprobs) for s in stats]
-    return token_ids, [None if per_step[0][r] is None else [lp[r] for lp in per_step]
-                       for r in range(len(token_ids))]
+    return DecodeRun(token_ids, [None if per_step[0][r] is None else [lp[r] for lp in per_step]
+                                 for r in range(len(token_ids))], tokens[-1])
 
 
 def _greedy_cuda_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
-                       num_steps: int, block_size: int
-                       ) -> tuple[list[list[int]], list[list[RowLogprobs] | None]]:
+                       num_steps: int, block_size: int) -> DecodeRun:
     from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
 
     rows = inputs.input_ids.shape[0]
@@ -106,4 +115,4 @@ def _greedy_cuda_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs
     for j in range(num_steps):
         greedy_step(forward(), keys, out[:, j], inputs if j + 1 < num_steps else None,
                     block_size)
-    return out.tolist(), [None] * rows
+    return DecodeRun(out.tolist(), [None] * rows, out[:, -1])

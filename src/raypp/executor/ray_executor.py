@@ -265,7 +265,7 @@ class RayExecutor:
             # every TP rank of the last stage samples identically; the graph returns all
             out = nodes[0] if self.tp_size == 1 else MultiOutputNode(nodes)
         self.dag = out.experimental_compile(
-            _max_inflight_executions=max(1, self.config.scheduler.max_inflight or 1),
+            _max_inflight_executions=self.config.executor_depth,
             _buffer_size_bytes=self._channel_buffer_bytes(),
             _submit_timeout=envs.RAYPP_STEP_TIMEOUT_S,
         )

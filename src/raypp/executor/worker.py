@@ -55,6 +55,8 @@ class StageWorker:
         self.decode_graphs: DecodeGraphs | None = None  # captured in init_kv_cache (CUDA)
         self.kv_caches: list[torch.Tensor] = []
         self.timeline: list[tuple[int, float, float]] = []
+        # (step id, its last sampled ids on the device) of the latest decode round
+        self._last_round: tuple[int, torch.Tensor] | None = None
         self._fault = FaultInjector.from_env(pp_rank)
 
     # -- set-up ----------------------------------------------------------------------
@@ -139,14 +141,15 @@ class StageWorker:
         """
         step, inputs = (payload, None) if isinstance(payload, StepInput) else payload
         started = time.time()
+        previous, self._last_round = self._last_round, None  # only the next step may continue it
         try:
             self._fault.before_step(step.step_id)
             if not self.stage.is_last:
                 hidden, residual = self._forward(step, inputs)
                 # one tensor, so each hop is one transfer: [2, tokens, hidden]
                 out: Any = (step, {"hidden_and_residual": torch.stack((hidden, residual))})
-            elif step.num_steps > 1:
-                out = self._decode_steps(step)
+            elif step.num_steps > 1 or step.continues is not None:
+                out = self._decode_steps(step, previous)
             else:
                 out = self._sample(step, self._logits(step, inputs))
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
@@ -195,8 +198,17 @@ class StageWorker:
         return StepOutput(step.step_id, [[t] for t in tokens],
                           [None if lp is None else [lp] for lp in logprobs])
 
-    def _decode_steps(self, step: StepInput) -> StepOutput:
-        """``step.num_steps`` decode steps of a one-stage pipeline, in one call."""
+    def _decode_steps(self, step: StepInput, previous: tuple[int, torch.Tensor] | None
+                      ) -> StepOutput:
+        """``step.num_steps`` decode steps of a one-stage pipeline, in one call.
+
+        A step that ``continues`` a round takes its input ids from that round's last
+        tokens: ``previous``, the round this stage ran just before (else ``ValueError``).
+        """
+        if step.continues is not None and (previous is None or previous[0] != step.continues):
+            raise ValueError(f"step {step.step_id} continues step {step.continues}, but the "
+                             "latest decode round here is "
+                             f"{'none' if previous is None else previous[0]}")
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step):
             inputs = graphs.load(step)
@@ -210,11 +222,15 @@ class StageWorker:
                                        input_ids=inputs.input_ids)
                 return self.model.compute_logits(hidden)
 
+        if step.continues is not None:
+            assert previous is not None
+            _feed_last_tokens(inputs.input_ids, previous[1], step.continue_rows)
         assert step.sampling is not None
-        tokens, logprobs = run_decode_steps(
+        run = run_decode_steps(
             forward, inputs, SamplingTensors.build(step.sampling, self.device), step.num_steps,
             self.config.cache.block_size)
-        return StepOutput(step.step_id, tokens, logprobs)
+        self._last_round = (step.step_id, run.last_tokens)
+        return StepOutput(step.step_id, run.token_ids, run.logprobs)
 
     # -- introspection for tests and operators -----------------------------------------
     def comm_stats(self) -> dict[str, Any]:
@@ -255,6 +271,15 @@ class StageWorker:
 
     def shutdown(self) -> None:
         parallel_state.destroy_distributed()
+
+
+def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[int]) -> None:
+    """``input_ids[r] = last[rows[r]]``, on the device (no host sync)."""
+    if rows == list(range(len(rows))):
+        input_ids.copy_(last[: len(rows)])
+    else:
+        index = torch.tensor(rows, dtype=torch.int64).to(last.device, non_blocking=True)
+        torch.index_select(last, 0, index, out=input_ids)
 
 
 def _attention_metadata(step: StepInput, device: torch.device) -> AttentionMetadata:
