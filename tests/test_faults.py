@@ -81,6 +81,26 @@ def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama, monke
         assert llm.engine.restarts == 0 and llm.is_healthy()
 
 
+def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama, monkeypatch):
+    """Step 1 is the first batch's first 4-step decode round and step 2 its continuation,
+    submitted before step 1's result was read: the fault fails that batch's requests with
+    the stage's error (not the continuation's), and the next batch is served exactly."""
+    monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:0:1")
+    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=3) as llm:
+        prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
+        with pytest.raises(RequestFailedError) as err:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], SHORT, use_tqdm=False)
+        failure = err.value
+        assert sorted(failure.errors) == [0, 1, 2]
+        assert all("injected fault at step 1" in e for e in failure.errors.values())
+        assert llm.engine.stats.rounds_ahead > 0
+        reference = hf_greedy(tiny_llama, prompts, 8)
+        assert [o.outputs[0].token_ids for o in failure.outputs[3:]] == reference[3:]
+        blocks = llm.engine.block_manager
+        assert blocks.num_free == blocks.num_blocks
+        assert llm.engine.restarts == 0 and llm.is_healthy()
+
+
 @pytest.mark.parametrize("plane", ["cgraph", "direct"])
 def test_stuck_stage_times_out_and_recovers(ray_cluster, tiny_llama, monkeypatch, caplog, plane):
     """The stuck step fails at its timeout, the log shows where each stage waits, and the

@@ -34,6 +34,14 @@ def single(ray_cluster, tiny_llama):
 
 
 @pytest.fixture(scope="module")
+def multi_sync(ray_cluster, tiny_llama):
+    """Multi-step rounds, each submitted only after the previous one's result is read."""
+    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=8, seed=3,
+             async_scheduling=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def prompts(single):
     return corpus_prompts(single.get_tokenizer(), LENGTHS)
 
@@ -44,6 +52,7 @@ def test_greedy_equals_transformers_in_fewer_steps(multi, single, tiny_llama, pr
     outs = multi.generate(_inputs(prompts), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     multi_steps = multi.engine.stats.steps - steps_before
+    assert multi.engine.stats.rounds_ahead > 0  # asynchronous scheduling is on by default
     steps_before = single.engine.stats.steps
     single.generate(_inputs(prompts), GREEDY, use_tqdm=False)
     single_steps = single.engine.stats.steps - steps_before
@@ -119,6 +128,59 @@ def test_streamed_tokens_arrive_in_groups_of_at_most_k(multi, prompts):
     assert seen == {f"stream-{i}": 10 for i in range(3)}
     assert all(1 <= g <= 4 for g in growth), growth
     assert max(growth) == 4
+
+
+def test_async_scheduling_changes_no_output(multi, multi_sync, prompts):
+    """Rounds submitted ahead (fed on the stage from the previous round's last tokens)
+    give what rounds submitted one at a time give: greedy, seeded sampling with
+    logprobs, n > 1, stops by id, string and length mid-round."""
+    free_run = multi_sync.generate(_inputs(prompts[:4]), GREEDY, use_tqdm=False)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=4 * i + 3,
+                             logprobs=2, n=2) for i in range(len(prompts))]
+    for o in free_run:
+        ids = o.outputs[0].token_ids
+        params += [SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[6]]),
+                   SamplingParams(temperature=0, max_tokens=10, stop=[o.outputs[0].text[-2:]])]
+    inputs = _inputs(prompts) + [p for p in _inputs(prompts[:4]) for _ in range(2)]
+    ahead_before = multi.engine.stats.rounds_ahead
+    a = multi.generate(inputs, params, use_tqdm=False)
+    b = multi_sync.generate(inputs, params, use_tqdm=False)
+    assert _completions(a) == _completions(b)
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert [lp.keys() for lp in cx.logprobs or []] == [lp.keys() for lp in cy.logprobs or []]
+    assert multi.engine.stats.rounds_ahead > ahead_before
+    assert multi_sync.engine.stats.rounds_ahead == 0
+    for llm in (multi, multi_sync):
+        blocks = llm.engine.block_manager
+        assert blocks.num_free == blocks.num_blocks
+
+
+def test_requests_arriving_or_aborted_during_rounds_ahead(multi, multi_sync, prompts):
+    """A request added while a round runs ahead is served once the running rounds
+    end; one aborted with a round in flight frees its blocks and loses nobody else's
+    tokens."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in multi_sync.generate(_inputs(prompts[:3]), params, use_tqdm=False)]
+    engine = multi.engine
+    engine.add_request("first", {"prompt_token_ids": prompts[0]}, params)
+    engine.add_request("doomed", {"prompt_token_ids": prompts[1]}, params)
+    ahead_before = engine.stats.rounds_ahead
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 3:  # prefill, then rounds chained ahead
+            assert engine.stats.rounds_ahead > ahead_before and engine.has_inflight_steps
+            engine.abort_request("doomed")
+            engine.add_request("late", {"prompt_token_ids": prompts[2]}, params)
+    assert done == {"first": expected[0], "late": expected[2]}
+    blocks = engine.block_manager
+    assert blocks.num_free == blocks.num_blocks
 
 
 def test_model_length_and_tight_cache_limits(ray_cluster, tiny_llama, prompts):

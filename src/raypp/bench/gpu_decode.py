@@ -13,7 +13,8 @@ In one process, on one GPU, it:
    logprobs teacher-forced on raypp's own sequence), both through multi-step decode;
 4. raypp through the real engine (Ray, compiled graph, pp=1): decode tokens/s at
    each batch size and each ``num_decode_steps`` in ``DECODE_STEPS``, prompt 512,
-   output 256, greedy, prefill phase timed apart;
+   output 256, greedy, prefill phase timed apart; at batch 1 and 64 the largest
+   ``num_decode_steps`` also runs with ``async_scheduling`` off (A/B);
 5. the same stage in-process without Ray (``StageWorker``): per-step time split
    into graph replay (LM head inside), staging, sampling; one step vs 32 steps
    per call; eager vs graphs; a PyTorch profiler kernel breakdown;
@@ -57,6 +58,7 @@ CHECK_PROMPT_LENS = (7, 64, 200, 512)
 CHECK_TOKENS = 32
 CHECK_DECODE_STEPS = 8  # the correctness runs go through multi-step decode
 DECODE_STEPS = (1, 8, 32)  # engine runs: decode steps per round trip to the stage
+SYNC_AB_BATCHES = (1, 64)  # where the largest DECODE_STEPS also runs with async_scheduling off
 
 
 class Bench:
@@ -251,6 +253,13 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
                 prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
                 results[key] = _engine_run(engine, prompts, params, f"{control_plane}{key}")
                 log(f"raypp engine ({control_plane}) {key}: {results[key]}")
+                if k == max(DECODE_STEPS) and batch in SYNC_AB_BATCHES and bench.left() >= 20:
+                    # A/B: each round submitted only after the previous one's result is read
+                    engine.config.scheduler.async_scheduling = False
+                    sync = _engine_run(engine, prompts, params, f"{control_plane}{key}sync")
+                    engine.config.scheduler.async_scheduling = True
+                    results[f"{key}_sync"] = sync
+                    log(f"raypp engine ({control_plane}) {key}_sync: {sync}")
         results["graphs"] = _graph_info(llm)
     finally:
         llm.shutdown()
@@ -294,6 +303,7 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
             1e3 * (stats1["step_time_s"] - stats0["step_time_s"]) / steps, 3)
         out["engine_host_ms_per_step"] = round(
             1e3 * (stats1["overhead_time_s"] - stats0["overhead_time_s"]) / steps, 3)
+        out["rounds_ahead"] = stats1["rounds_ahead"] - stats0["rounds_ahead"]
     return out
 
 
@@ -301,7 +311,8 @@ def _stats(engine: Any) -> dict[str, float] | None:
     stats = getattr(engine, "stats", None)
     if stats is None:
         return None
-    return {"step_time_s": stats.step_time_s, "overhead_time_s": stats.overhead_time_s}
+    return {"step_time_s": stats.step_time_s, "overhead_time_s": stats.overhead_time_s,
+            "rounds_ahead": stats.rounds_ahead}
 
 
 # -- 5. the stage in-process (no Ray) -------------------------------------------------------
@@ -844,6 +855,12 @@ def summary(r: dict[str, Any]) -> str:
             fastest = max((x for x in runs if x), default=None)
             lines.append(f"batch 1: roofline {roof:.3f} ms/step; best engine "
                          f"{100 * fastest * roof / 1e3:.1f}% of it" if fastest else "")
+    k = max(DECODE_STEPS)
+    for b in SYNC_AB_BATCHES:
+        on, off = (get(eng, f"b{b}_k{k}" + s, "decode_tok_s") for s in ("", "_sync"))
+        if on and off:
+            lines.append(f"batch {b}, k={k}: async scheduling {on:.0f} tok/s, off {off:.0f} "
+                         f"({on / off:.3f}x)")
     c = r.get("correctness") or {}
     if c:
         lines.append(f"fp32 greedy == HF: {c.get('fp32_greedy_equal')}; bf16 agreement "

@@ -52,6 +52,7 @@ class EngineStats:
     step_time_s: float = 0.0  # wall time waiting on step results
     max_step_wait_s: float = 0.0  # longest single wait for a step result
     overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
+    rounds_ahead: int = 0  # decode rounds submitted before the round they continue was read
 
 
 @dataclass
@@ -248,6 +249,7 @@ class LLMEngine:
         nxt.continue_rows = [rows[id(s.seq)] for s in batch.seqs]
         # if submitting fails, the caller's failure path requeues every running sequence
         self._inflight.append(_InFlight(batch, nxt, self.executor.submit(nxt)))
+        self.stats.rounds_ahead += 1
 
     # -- failures --------------------------------------------------------------------------
     def _fail_batch(self, batch: MicroBatch, message: str, kind: str) -> list[RequestOutput]:
