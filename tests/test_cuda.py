@@ -268,22 +268,29 @@ def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie
 
 
 def test_multi_step_sampling_on_cuda_equals_single_steps(ray_cluster, tiny_llama):
-    """Seeded sampling and logprobs through graph replays: 8 steps per call == 1."""
+    """Seeded sampling and logprobs through graph replays: 8 steps per call == 1, with
+    rounds submitted ahead (fed on the GPU from the previous round's last tokens, also
+    after a sequence left the batch mid-chain) and without."""
     from raypp import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=20,
-                             logprobs=2, ignore_eos=True) for i in range(3)]
-    outs = {}
-    for steps in (1, 8):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=m,
+                             logprobs=2, ignore_eos=True) for i, m in enumerate((30, 9, 20))]
+    outs, ahead = {}, {}
+    for steps, async_scheduling in ((1, True), (8, True), (8, False)):
         with LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-                 max_num_seqs=4, num_decode_steps=steps) as llm:
-            outs[steps] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    for a, b in zip(outs[8], outs[1], strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+                 max_num_seqs=4, num_decode_steps=steps,
+                 async_scheduling=async_scheduling) as llm:
+            key = (steps, async_scheduling)
+            outs[key] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            ahead[key] = llm.engine.stats.rounds_ahead
+    assert ahead[1, True] == ahead[8, False] == 0 and ahead[8, True] >= 2
+    for key in ((8, True), (8, False)):
+        for a, b in zip(outs[key], outs[1, True], strict=True):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
 def test_chunked_argmax_equals_torch_argmax():
