@@ -13,8 +13,9 @@ In one process, on one GPU, it:
    logprobs teacher-forced on raypp's own sequence), both through multi-step decode;
 4. raypp through the real engine (Ray, compiled graph, pp=1): decode tokens/s at
    each batch size and each ``num_decode_steps`` in ``DECODE_STEPS``, prompt 512,
-   output 256, greedy, prefill phase timed apart; at batch 1 and 64 the largest
-   ``num_decode_steps`` also runs with ``async_scheduling`` off (A/B);
+   output 256, greedy, prefill phase timed apart, with the stage's busy time and
+   the gaps between its steps; at batch 1 and 64, ``num_decode_steps=32`` also
+   runs with ``async_scheduling`` off (A/B);
 5. the same stage in-process without Ray (``StageWorker``): per-step time split
    into graph replay (LM head inside), staging, sampling; one step vs 32 steps
    per call; eager vs graphs; a PyTorch profiler kernel breakdown;
@@ -57,8 +58,8 @@ MAX_MODEL_LEN = 1024
 CHECK_PROMPT_LENS = (7, 64, 200, 512)
 CHECK_TOKENS = 32
 CHECK_DECODE_STEPS = 8  # the correctness runs go through multi-step decode
-DECODE_STEPS = (1, 8, 32)  # engine runs: decode steps per round trip to the stage
-SYNC_AB_BATCHES = (1, 64)  # where the largest DECODE_STEPS also runs with async_scheduling off
+DECODE_STEPS = (1, 8, 32, 64)  # engine runs: decode steps per round trip to the stage
+SYNC_AB_STEPS, SYNC_AB_BATCHES = 32, (1, 64)  # runs repeated with async_scheduling off
 
 
 class Bench:
@@ -225,8 +226,9 @@ def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -
 
 
 def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
-                       control_plane: str = "cgraph") -> dict[str, Any]:
-    """Decode tokens/s through LLMEngine.step at each batch size and ``DECODE_STEPS``.
+                       control_plane: str = "cgraph",
+                       decode_steps: tuple[int, ...] = DECODE_STEPS) -> dict[str, Any]:
+    """Decode tokens/s through LLMEngine.step at each batch size and each of ``decode_steps``.
 
     One engine serves every run; ``num_decode_steps`` is switched between runs
     (the scheduler reads it at each step).
@@ -244,7 +246,7 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
         llm.generate(random_prompts(2, 64, 1), warm, use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
         for batch in batches:
-            for k in DECODE_STEPS:
+            for k in decode_steps:
                 key = f"b{batch}" + ("" if k == 1 else f"_k{k}")
                 if bench.left() < 20:
                     results[key] = "skipped: time"
@@ -253,7 +255,8 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], bench: Bench,
                 prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
                 results[key] = _engine_run(engine, prompts, params, f"{control_plane}{key}")
                 log(f"raypp engine ({control_plane}) {key}: {results[key]}")
-                if k == max(DECODE_STEPS) and batch in SYNC_AB_BATCHES and bench.left() >= 20:
+                if (control_plane == "cgraph" and k == SYNC_AB_STEPS and batch in SYNC_AB_BATCHES
+                        and bench.left() >= 20):
                     # A/B: each round submitted only after the previous one's result is read
                     engine.config.scheduler.async_scheduling = False
                     sync = _engine_run(engine, prompts, params, f"{control_plane}{key}sync")
@@ -279,6 +282,8 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
             have_first.add(out.request_id)
     prefill_done = time.perf_counter()
     engine.emit_unfinished = False  # decode as LLM.generate runs it: final outputs only
+    _stage_intervals(engine)  # drop the prefill phase's
+    engine.trace_steps = True
     stats0 = _stats(engine)
     generated = engine.stats.tokens_generated
     steps = 0
@@ -287,6 +292,7 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
         steps += 1
     tokens = engine.stats.tokens_generated - generated
     done = time.perf_counter()
+    engine.trace_steps = False
     stats1 = _stats(engine)
     decode_s = done - prefill_done
     out = {
@@ -304,7 +310,26 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
         out["engine_host_ms_per_step"] = round(
             1e3 * (stats1["overhead_time_s"] - stats0["overhead_time_s"]) / steps, 3)
         out["rounds_ahead"] = stats1["rounds_ahead"] - stats0["rounds_ahead"]
+    intervals = sorted(_stage_intervals(engine))
+    if len(intervals) > 1:  # the stage's side: time in execute_step, and between steps
+        out["stage_busy_ms_per_step"] = round(
+            1e3 * sum(end - start for start, end in intervals) / len(intervals), 3)
+        out["stage_gap_ms_per_step"] = round(1e3 * sum(
+            b[0] - a[1] for a, b in zip(intervals, intervals[1:])) / (len(intervals) - 1), 3)
     return out
+
+
+def _stage_intervals(engine: Any) -> list[tuple[float, float]]:
+    """The last stage's traced ``(start, end)`` of each step since the previous call."""
+    import ray
+
+    worker = engine.executor.workers[-1][0]
+    try:
+        traced = ray.get(worker.traced_intervals.remote(), timeout=10)
+    except Exception as e:  # noqa: BLE001 - a missing timeline only loses two fields
+        log(f"no stage timeline: {e}")
+        return []
+    return [(start, end) for _, start, end in traced]
 
 
 def _stats(engine: Any) -> dict[str, float] | None:
@@ -855,7 +880,13 @@ def summary(r: dict[str, Any]) -> str:
             fastest = max((x for x in runs if x), default=None)
             lines.append(f"batch 1: roofline {roof:.3f} ms/step; best engine "
                          f"{100 * fastest * roof / 1e3:.1f}% of it" if fastest else "")
-    k = max(DECODE_STEPS)
+    direct = r.get("raypp_engine_direct") or {}
+    for b in SYNC_AB_BATCHES:
+        runs = {k: get(direct, f"b{b}_k{k}", "decode_tok_s") for k in DECODE_STEPS[-2:]}
+        if any(runs.values()):
+            lines.append(f"batch {b}, direct control plane: " + ", ".join(
+                f"k={k} {fmt(x)} tok/s" for k, x in runs.items()))
+    k = SYNC_AB_STEPS
     for b in SYNC_AB_BATCHES:
         on, off = (get(eng, f"b{b}_k{k}" + s, "decode_tok_s") for s in ("", "_sync"))
         if on and off:
@@ -913,6 +944,8 @@ def main() -> None:
     r["raypp_engine"] = bench.section("raypp_engine", lambda: raypp_engine_bench(
         ckpt, BATCHES, bench), 60)
     bf16 = (r["raypp_engine"] or {}).pop("check", None)
+    r["raypp_engine_direct"] = bench.section("raypp_engine_direct", lambda: raypp_engine_bench(
+        ckpt, SYNC_AB_BATCHES, bench, "direct", DECODE_STEPS[-2:]), 60)
     r["raypp_stage"] = bench.section("raypp_stage", lambda: stage_bench(
         ckpt, bench, weight_bytes, bw), 60)
     r["hf_static_compile"] = bench.section("hf_static_compile",
