@@ -214,3 +214,18 @@ def test_pipeline_parallel_refuses_multi_step(tiny_llama):
         LLM(str(tiny_llama), pipeline_parallel_size=2, num_decode_steps=2)
     with pytest.raises(ValueError, match="num_decode_steps must be an integer >= 1"):
         LLM(str(tiny_llama), num_decode_steps=0)
+
+
+def test_async_scheduling_option():
+    import argparse
+
+    from raypp.config import SchedulerConfig
+    from raypp.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+    assert "async_scheduling" not in engine_kwargs(parser.parse_args([]))  # the default: on
+    assert SchedulerConfig().async_scheduling is True
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        SchedulerConfig(async_scheduling="no")

@@ -29,7 +29,8 @@ class LLM:
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
     Extra keyword arguments configure the KV cache (``block_size``,
     ``kv_cache_memory_bytes``, ``gpu_memory_utilization``) and the scheduler
-    (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``); unknown
+    (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``,
+    ``num_decode_steps``, ``async_scheduling``); unknown
     ones raise ``TypeError``. Use as a context manager or call :meth:`shutdown`.
     """
 

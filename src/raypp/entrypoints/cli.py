@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode-steps", type=int, default=None,
                         help="decode steps per round trip to the stage for pure decode "
                              "batches (pp=1 only; default 1)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="submit a decode batch's next multi-step round "
+                        "before reading the current one (pp=1; default on)")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per stage on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -57,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_inflight": args.max_inflight,
         "num_decode_steps": args.num_decode_steps,
+        "async_scheduling": args.async_scheduling,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
