@@ -2,8 +2,9 @@
 # One device call (benchmarks/gpu/README.md): install the carried wheels (.whl/), run the
 # CUDA tests, then the decode benchmark in the time left. Results go to $OUT.
 #   bash scripts/gpu_run.sh [TOTAL_SECONDS=560] [PYTEST_SECONDS=200 (0: skip the tests)]
-# Optional: TESTS (pytest arguments; default: both CUDA test modules), SECTIONS (the
-# benchmark's --sections; default: all).
+# Optional: TESTS (pytest arguments, split on spaces; default: both CUDA test modules),
+# TESTS_K (a pytest -k expression, spaces allowed), SECTIONS (the benchmark's --sections;
+# default: all).
 # The benchmark needs ~300 s and the tests ~300 s: run them in separate calls
 # (benchmark only: 575 0; tests only: a total the tests use up, e.g. 340 320).
 set -u
@@ -20,7 +21,7 @@ export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
 if [ "${2:-200}" -gt 0 ]; then
   # shellcheck disable=SC2086 # TESTS is a list of pytest arguments
   timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_fused_decode.py} \
-    -q -p no:cacheprovider -rfE 2>&1 \
+    ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -rfE 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
 fi
 BUDGET=$((TOTAL - 30 - $(date +%s) + START))
