@@ -716,7 +716,10 @@ def hf_bench(ckpt: Path, bench: Bench, static: bool) -> dict[str, Any]:
             res[f"b{batch}_compile_and_first_run_s"] = round(time.perf_counter() - t, 1)
         _hf_generate(model, prompts, 1, kw)
         t_pre = min(_timed(_hf_generate, model, prompts, 1, kw) for _ in range(2))
-        t_all = _timed(_hf_generate, model, prompts, out_len, kw)
+        # the best of two full runs where one is short (static: ~2 s at batch 64), so
+        # one slow run does not lower the peer's number
+        t_all = min(_timed(_hf_generate, model, prompts, out_len, kw)
+                    for _ in range(2 if static else 1))
         decode = max(t_all - t_pre, 1e-9)
         res[f"b{batch}"] = {
             "output_tokens": out_len, "total_s": round(t_all, 3), "prefill_s": round(t_pre, 3),
