@@ -61,13 +61,18 @@ def test_killed_stage_raises_fast_then_engine_recovers(ray_cluster, tiny_llama):
             assert llm.is_healthy()
 
 
+def _failed_generate(llm: LLM, prompts: list[list[int]]) -> RequestFailedError:
+    """Greedy ``SHORT`` generation that must fail for some requests; its error."""
+    with pytest.raises(RequestFailedError) as err:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SHORT, use_tqdm=False)
+    return err.value
+
+
 def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama, monkeypatch):
     monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:1:3")
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=6) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
-        with pytest.raises(RequestFailedError) as err:
-            llm.generate([{"prompt_token_ids": p} for p in prompts], SHORT, use_tqdm=False)
-        failure = err.value
+        failure = _failed_generate(llm, prompts)
         assert 0 < len(failure.errors) < len(prompts)
         assert all("stage 1" in e and "injected fault at step 3" in e
                    for e in failure.errors.values())
@@ -88,9 +93,7 @@ def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama,
     monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:0:1")
     with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=3) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
-        with pytest.raises(RequestFailedError) as err:
-            llm.generate([{"prompt_token_ids": p} for p in prompts], SHORT, use_tqdm=False)
-        failure = err.value
+        failure = _failed_generate(llm, prompts)
         assert sorted(failure.errors) == [0, 1, 2]
         assert all("injected fault at step 1" in e for e in failure.errors.values())
         assert llm.engine.stats.rounds_ahead > 0

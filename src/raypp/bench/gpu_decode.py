@@ -282,8 +282,7 @@ def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) ->
             have_first.add(out.request_id)
     prefill_done = time.perf_counter()
     engine.emit_unfinished = False  # decode as LLM.generate runs it: final outputs only
-    _stage_intervals(engine)  # drop the prefill phase's
-    engine.trace_steps = True
+    engine.trace_steps = True  # the stage records the decode phase's steps only
     stats0 = _stats(engine)
     generated = engine.stats.tokens_generated
     steps = 0

@@ -410,7 +410,7 @@ class LLMEngine:
         before = len(out)
         take = len(tokens)
         if length_stops:
-            take = min(take, self._room(seq))
+            take = min(take, self.scheduler.room(seq))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -427,15 +427,8 @@ class LLMEngine:
                                 for t, lp in zip(tokens[:take], row_logprobs))
         if stopped_by is not None:
             seq.finish("stop", stopped_by if stopped_by in params.stop_token_ids else None)
-        elif length_stops and self._room(seq) == 0:
+        elif length_stops and self.scheduler.room(seq) == 0:
             seq.finish("length")
-
-    def _room(self, seq: Sequence) -> int:
-        """Tokens ``seq`` may still generate before its length limit."""
-        room = self.config.model.max_model_len - seq.num_tokens
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_token_ids))
-        return room
 
     def _detokenize(self, seqs: list[Sequence]) -> None:
         """Extend the sequences' text; apply stop strings (then the length limit to those
@@ -453,7 +446,7 @@ class LLMEngine:
         """Stop strings (once ``min_tokens`` are out), then the length limit."""
         if len(seq.output_token_ids) >= seq.params.min_tokens and self._truncate_at_stop_string(seq):
             return
-        if self._room(seq) <= 0:
+        if self.scheduler.room(seq) <= 0:
             seq.finish("length")
 
     def _outputs_of(self, seqs: list[Sequence]) -> list[RequestOutput]:

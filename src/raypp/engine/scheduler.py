@@ -132,7 +132,7 @@ class Scheduler:
             return None
         ahead = batch.num_steps
         seqs = [item.seq for item in batch.seqs
-                if item.seq.status is SequenceStatus.RUNNING and self._room(item.seq, ahead) > 0]
+                if item.seq.status is SequenceStatus.RUNNING and self.room(item.seq, ahead) > 0]
         if not seqs:
             return None
         steps = self._decode_horizon(seqs, ahead)
@@ -142,8 +142,9 @@ class Scheduler:
             seq.in_flight += 1
         return MicroBatch([ScheduledSeq(seq, 1, True) for seq in seqs], steps, ahead)
 
-    def _room(self, seq: Sequence, ahead: int) -> int:
-        """Tokens ``seq`` may sample after the ``ahead`` it has in flight."""
+    def room(self, seq: Sequence, ahead: int = 0) -> int:
+        """Tokens ``seq`` may still sample before its length limit (``max_tokens`` or
+        ``max_model_len``), after the ``ahead`` it has in flight."""
         room = self.max_model_len - seq.num_tokens - ahead
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - ahead)
@@ -158,7 +159,7 @@ class Scheduler:
         not even one step's blocks are free (only possible with ``ahead``).
         """
         limit = self.config.num_decode_steps
-        wanted = max(self._room(s, ahead) if s.params.max_tokens is not None else limit
+        wanted = max(self.room(s, ahead) if s.params.max_tokens is not None else limit
                      for s in seqs)
         room = min(self.max_model_len - s.num_tokens - ahead for s in seqs)
         steps = max(1, min(limit, wanted, room))
