@@ -19,6 +19,7 @@ from raypp.engine.step import SamplingBatch, StepInput
 from raypp.executor.base import make_executor
 from raypp.executor.direct_executor import DirectExecutor
 from raypp.executor.errors import StageDiedError
+from raypp.testing import cpu_use_against_idle_actor
 
 KV_BYTES = 16 * 2**20
 MAX_NEW = 10
@@ -213,37 +214,13 @@ def _prefill_step(step_id: int, ids: list[int], first_block: int) -> StepInput:
 # -- idle cost --------------------------------------------------------------------------------
 
 
-@ray.remote(num_cpus=0)
-class _IdleActor:
-    """A Ray actor that has imported torch and does nothing: the baseline an idle stage is held to."""
-
-    def pid(self) -> int:
-        import os
-
-        import torch  # noqa: F401  (same runtime threads as a stage)
-
-        return os.getpid()
-
-
 def test_idle_stages_use_almost_no_cpu(engines, tiny_llama):
     """Idle stages block in zmq_poll: over a quiet window they cost what an idle Ray actor
     costs (Ray's own threads, ~1-5 % of a core on a loaded CI box), far from a spinning
     loop's ~100 %."""
     llm = engines(tiny_llama, "direct", 2)
     _generate(llm, _prompts(llm)[:1])
-    baseline_actor = _IdleActor.remote()
-    baseline_pid = ray.get(baseline_actor.pid.remote(), timeout=60)
-    try:
-        procs = [psutil.Process(pid) for pid in [*_stage_pids(llm), baseline_pid]]
-        time.sleep(0.5)  # let the last replies settle
-        before = [sum(p.cpu_times()[:2]) for p in procs]
-        started = time.monotonic()
-        time.sleep(3.0)
-        elapsed = time.monotonic() - started
-        busy = [(sum(p.cpu_times()[:2]) - b) / elapsed for p, b in zip(procs, before, strict=True)]
-    finally:
-        ray.kill(baseline_actor)
-    *stages, baseline = busy
+    stages, baseline = cpu_use_against_idle_actor(_stage_pids(llm), 3.0)
     assert max(stages) <= baseline + 0.10, (
         f"idle stage CPU use (fraction of a core): {stages}; an idle Ray actor: {baseline:.3f}")
 

@@ -17,7 +17,7 @@ import ray
 from hf_reference import corpus_prompts, hf_greedy
 
 from raypp import LLM, EngineDeadError, RequestFailedError, SamplingParams
-from raypp.testing import wait_suspended
+from raypp.testing import cpu_use_against_idle_actor, wait_suspended
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=8)
@@ -255,16 +255,15 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
         llm.generate("The list type", SHORT, use_tqdm=False)
         executor = llm.engine.executor
         assert wait_suspended(executor, timeout=10)
-        procs = [psutil.Process(pid) for pid in ray.get([w.ping.remote() for w in
-                                                          executor.all_workers])]
+        pids = ray.get([w.ping.remote() for w in executor.all_workers])
         time.sleep(1)  # the teardown's last work (channel and thread clean-up) is not idling
-        before = [sum(p.cpu_times()[:2]) for p in procs]
-        time.sleep(8)
-        used = [(sum(p.cpu_times()[:2]) - b) / 8 for p, b in zip(procs, before)]
+        used, baseline = cpu_use_against_idle_actor(pids, 8.0)
         # suspended: 0.02-0.03 of a core alone, up to 0.053 late in a full test session
         # on a 2-core VM (the cluster has churned many actors by then); a stage whose
-        # compiled graph stays up polls its channels: 0.08-0.21 here, 0.8 on a quiet box
-        assert all(u <= 0.065 for u in used), f"idle CPU per stage: {used}"
+        # compiled graph stays up polls its channels: 0.08-0.21 here, 0.8 on a quiet box.
+        # An idle Ray actor measured alongside says how noisy this moment is.
+        limit = max(0.065, baseline + 0.03)
+        assert all(u <= limit for u in used), f"idle CPU per stage: {used}; idle actor {baseline}"
         # the next request recompiles transparently
         again = llm.generate("The list type", SHORT, use_tqdm=False)
         assert again[0].outputs[0].token_ids and not executor.suspended

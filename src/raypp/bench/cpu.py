@@ -8,6 +8,7 @@ compute. :class:`CpuMeter` snapshots ``/proc`` (via psutil) before and after.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,17 @@ def _snapshot(pid: int) -> dict[str, Any] | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     return {"cpu_s": times.user + times.system, "threads": threads}
+
+
+def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
+    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
+    the next ``seconds``."""
+    procs = [psutil.Process(pid) for pid in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return [(sum(p.cpu_times()[:2]) - b) / elapsed for p, b in zip(procs, before, strict=True)]
 
 
 class CpuMeter:

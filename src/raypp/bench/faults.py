@@ -53,10 +53,10 @@ def kill_timings(model: str, pp: int, kills: int) -> dict:
 
 def idle_cpu(model: str, pp: int, seconds: float, suspend_s: str) -> list[float]:
     """Fraction of one core used by each stage process while the engine idles."""
-    import psutil
     import ray
 
     from raypp import LLM, SamplingParams
+    from raypp.bench.cpu import cpu_fraction
 
     os.environ["RAYPP_IDLE_SUSPEND_S"] = suspend_s
     try:
@@ -64,11 +64,7 @@ def idle_cpu(model: str, pp: int, seconds: float, suspend_s: str) -> list[float]
             llm.generate("A", SamplingParams(max_tokens=4), use_tqdm=False)
             time.sleep(max(2.0, float(suspend_s) + 1.5))
             pids = ray.get([w.ping.remote() for w in llm.engine.executor.all_workers])
-            procs = [psutil.Process(p) for p in pids]
-            before = [sum(p.cpu_times()[:2]) for p in procs]
-            time.sleep(seconds)
-            return [round((sum(p.cpu_times()[:2]) - b) / seconds, 4)
-                    for p, b in zip(procs, before)]
+            return [round(u, 4) for u in cpu_fraction(pids, seconds)]
     finally:
         os.environ.pop("RAYPP_IDLE_SUSPEND_S", None)
 
