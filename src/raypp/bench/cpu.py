@@ -34,17 +34,6 @@ def _snapshot(pid: int) -> dict[str, Any] | None:
     return {"cpu_s": times.user + times.system, "threads": threads}
 
 
-def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
-    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
-    the next ``seconds``."""
-    procs = [psutil.Process(pid) for pid in pids]
-    before = [sum(p.cpu_times()[:2]) for p in procs]
-    started = time.monotonic()
-    time.sleep(seconds)
-    elapsed = time.monotonic() - started
-    return [(sum(p.cpu_times()[:2]) - b) / elapsed for p, b in zip(procs, before, strict=True)]
-
-
 class CpuMeter:
     """CPU seconds used by named processes between :meth:`start` and :meth:`stop`."""
 
@@ -84,3 +73,14 @@ class CpuMeter:
                             for tid, cpu in busy],
             }
         return out
+
+
+def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
+    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
+    the next ``seconds``; ``KeyError`` for a process that is gone by then."""
+    meter = CpuMeter({str(pid): pid for pid in pids})
+    meter.start()
+    started = time.monotonic()
+    time.sleep(seconds)
+    used = meter.stop(time.monotonic() - started)
+    return [used[str(pid)]["cores"] for pid in pids]
