@@ -215,9 +215,9 @@ def _prefill_step(step_id: int, ids: list[int], first_block: int) -> StepInput:
 
 
 def test_idle_stages_use_almost_no_cpu(engines, tiny_llama):
-    """Idle stages block in zmq_poll: over a quiet window they cost what an idle Ray actor
-    costs (Ray's own threads, ~1-5 % of a core on a loaded CI box), far from a spinning
-    loop's ~100 %."""
+    """Idle stages block in zmq_poll: over a quiet window they cost about what an idle Ray
+    actor costs (Ray's own threads: ~1 % of a core here; the stages 2-5 %, depending on
+    the box's load), far from a spinning loop's ~100 %."""
     llm = engines(tiny_llama, "direct", 2)
     _generate(llm, _prompts(llm)[:1])
     stages, baseline = cpu_use_against_idle_actor(_stage_pids(llm), 3.0)
