@@ -15,9 +15,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster shared by the whole session (started once)."""
-    from raypp import envs
-
-    envs.apply_ray_cgraph_env()
     import ray
 
     if not ray.is_initialized():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
 import time
 
@@ -18,7 +17,7 @@ import pytest
 
 from raypp import LLM, SamplingParams
 from raypp.engine.async_engine import AsyncLLMEngine
-from raypp.executor.errors import EngineDeadError
+from raypp.errors import EngineDeadError
 
 FAULT_STEP = 1_000_000
 PROMPTS = ["The list type", "A function definition", "The import statement", "x = [1, 2"]
@@ -27,15 +26,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def setup(ray_cluster, tiny_llama):
-    old = os.environ.get("RAYPP_FAULT_INJECT")
-    os.environ["RAYPP_FAULT_INJECT"] = f"raise:1:{FAULT_STEP}"
-    try:
-        llm = LLM(str(tiny_llama), pipeline_parallel_size=2, kv_cache_memory_bytes=8 * 2**20)
-    finally:
-        if old is None:
-            os.environ.pop("RAYPP_FAULT_INJECT")
-        else:
-            os.environ["RAYPP_FAULT_INJECT"] = old
+    llm = LLM(str(tiny_llama), pipeline_parallel_size=2, kv_cache_memory_bytes=8 * 2**20,
+              fault_inject=f"raise:1:{FAULT_STEP}")
     refs = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     engine = AsyncLLMEngine(llm.engine, collect_stage_times=True)
     yield engine, refs
@@ -149,7 +141,7 @@ def test_failed_step_fails_its_requests_and_the_loop_keeps_serving(setup):
         for gen in gens:  # both requests are running ...
             await gen.__anext__()
         # ... when the next step hits the armed fault (swapping the counter is atomic).
-        engine.engine._step_ids = itertools.count(FAULT_STEP)
+        engine.engine.step_builder._step_ids = itertools.count(FAULT_STEP)
         return await asyncio.gather(*[_last(g) for g in gens], return_exceptions=True)
 
     results = asyncio.run(run())

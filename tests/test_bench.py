@@ -6,7 +6,6 @@ These assert structure and sane values, never speed: the CI box is shared and no
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,7 @@ def bench_llm(ray_cluster, tiny_llama):
     """pp=2 engine on the tiny Llama with send/recv tracing on (as ``--timeline`` does)."""
     from raypp import LLM
 
-    previous = os.environ.get("RAYPP_TRACE_COMM")
-    os.environ["RAYPP_TRACE_COMM"] = "1"
-    try:
-        llm = LLM(str(tiny_llama), pipeline_parallel_size=2, max_model_len=128)
-    finally:
-        if previous is None:
-            del os.environ["RAYPP_TRACE_COMM"]
-        else:
-            os.environ["RAYPP_TRACE_COMM"] = previous
+    llm = LLM(str(tiny_llama), pipeline_parallel_size=2, max_model_len=128, trace_comm=True)
     yield llm
     llm.shutdown()
 

@@ -15,10 +15,10 @@ import torch
 
 from raypp import LLM, RequestFailedError, SamplingParams
 from raypp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from raypp.engine.step import SamplingBatch, StepInput
+from raypp.errors import StageDiedError
 from raypp.executor.base import make_executor
-from raypp.executor.direct_executor import DirectExecutor
-from raypp.executor.errors import StageDiedError
+from raypp.executor.direct import DirectExecutor
+from raypp.step import SamplingBatch, StepInput
 from raypp.testing import cpu_use_against_idle_actor
 
 KV_BYTES = 16 * 2**20
@@ -135,7 +135,8 @@ def test_tensor_parallel_lanes_equal_transformers_and_tp1(engines, tiny_llama):
         direct.shutdown()
     assert got == _hf_greedy(tiny_llama, prompts, MAX_NEW)
     assert seeded == _generate(engines(tiny_llama, "direct", 2), prompts, SEEDED)
-    assert stats[0]["sends"] > 0 and stats[1]["recvs"] > 0
+    assert [(s["pp_rank"], s["tp_rank"]) for s in stats] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(s["sends"] > 0 for s in stats[:2]) and all(s["recvs"] > 0 for s in stats[2:])
 
 
 def test_qwen2_equals_transformers_and_shutdown_is_clean(ray_cluster, tiny_qwen2, caplog):
@@ -228,9 +229,9 @@ def test_idle_stages_use_almost_no_cpu(engines, tiny_llama):
 # -- faults ---------------------------------------------------------------------------------
 
 
-def test_stage_error_fails_only_its_step(ray_cluster, tiny_llama, monkeypatch):
-    monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:1:3")  # stage 1 raises at step id 3
-    with _llm(tiny_llama, "direct", 3, max_num_seqs=len(TEXTS)) as llm:
+def test_stage_error_fails_only_its_step(ray_cluster, tiny_llama):
+    # stage 1 raises at step id 3
+    with _llm(tiny_llama, "direct", 3, max_num_seqs=len(TEXTS), fault_inject="raise:1:3") as llm:
         prompts = _prompts(llm)
         with pytest.raises(RequestFailedError) as err:
             _generate(llm, prompts)
@@ -282,7 +283,10 @@ def test_killed_stage_fails_within_seconds_then_engine_recovers(ray_cluster, tin
             assert llm.engine.restarts == round_ + 1 and llm.is_healthy()
 
 
-def test_make_executor_rejects_unknown_plane(tiny_llama):
+def test_unknown_control_plane_is_rejected_naming_the_planes(tiny_llama):
+    with pytest.raises(ValueError, match="'cgraph', 'direct'"):
+        ParallelConfig(control_plane="grpc")
     config = EngineConfig(model=ModelConfig(str(tiny_llama)), device="cpu")
+    config.parallel.control_plane = "grpc"  # past validation: the registry still refuses
     with pytest.raises(ValueError, match="cgraph, direct"):
-        make_executor(config, control_plane="grpc")
+        make_executor(config)

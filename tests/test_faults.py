@@ -16,7 +16,7 @@ import pytest
 import ray
 from hf_reference import corpus_prompts, hf_greedy
 
-from raypp import LLM, EngineDeadError, RequestFailedError, SamplingParams
+from raypp import LLM, EngineDeadError, ErrorKind, RequestFailedError, SamplingParams
 from raypp.testing import cpu_use_against_idle_actor, wait_suspended
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -68,9 +68,9 @@ def _failed_generate(llm: LLM, prompts: list[list[int]]) -> RequestFailedError:
     return err.value
 
 
-def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama, monkeypatch):
-    monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:1:3")
-    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=6) as llm:
+def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama):
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=6,
+             fault_inject="raise:1:3") as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
         failure = _failed_generate(llm, prompts)
         assert 0 < len(failure.errors) < len(prompts)
@@ -80,18 +80,19 @@ def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama, monke
         for index, out in enumerate(failure.outputs):
             if index in failure.errors:
                 assert out.outputs[0].finish_reason == "error"
+                assert out.error_kind is ErrorKind.STAGE_ERROR and not out.error_kind.retryable
             else:
                 assert out.outputs[0].token_ids == reference[index]
         _check_serves_correctly(llm, tiny_llama, prompts[:2])
         assert llm.engine.restarts == 0 and llm.is_healthy()
 
 
-def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama, monkeypatch):
+def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama):
     """Step 1 is the first batch's first 4-step decode round and step 2 its continuation,
     submitted before step 1's result was read: the fault fails that batch's requests with
     the stage's error (not the continuation's), and the next batch is served exactly."""
-    monkeypatch.setenv("RAYPP_FAULT_INJECT", "raise:0:1")
-    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=3) as llm:
+    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=3,
+             fault_inject="raise:0:1") as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
         failure = _failed_generate(llm, prompts)
         assert sorted(failure.errors) == [0, 1, 2]
@@ -105,15 +106,14 @@ def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama,
 
 
 @pytest.mark.parametrize("plane", ["cgraph", "direct"])
-def test_stuck_stage_times_out_and_recovers(ray_cluster, tiny_llama, monkeypatch, caplog, plane):
+def test_stuck_stage_times_out_and_recovers(ray_cluster, tiny_llama, caplog, plane):
     """The stuck step fails at its timeout, the log shows where each stage waits, and the
     replaced workers serve correctly."""
-    monkeypatch.setenv("RAYPP_FAULT_INJECT", "sleep:1:4:60")
-    monkeypatch.setenv("RAYPP_STEP_TIMEOUT_S", "3")
-    with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane) as llm:
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane,
+             fault_inject="sleep:1:4:60", step_timeout_s=3) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [5, 7])
         started = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="raypp.executor.ray_executor"), \
+        with caplog.at_level(logging.ERROR, logger="raypp.executor.stage_pool"), \
                 pytest.raises(RequestFailedError, match="step_timeout"):
             llm.generate([{"prompt_token_ids": p} for p in prompts], LONG, use_tqdm=False)
         stage_1 = [r.getMessage() for r in caplog.records if "stacks of stage 1" in r.getMessage()]
@@ -249,9 +249,8 @@ def test_idle_serving_engine_heals_without_a_request(ray_cluster, tiny_llama):
         engine.shutdown()
 
 
-def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama, monkeypatch):
-    monkeypatch.setenv("RAYPP_IDLE_SUSPEND_S", "1")
-    with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:
+def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama):
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, idle_suspend_s=1) as llm:
         llm.generate("The list type", SHORT, use_tqdm=False)
         executor = llm.engine.executor
         assert wait_suspended(executor, timeout=10)

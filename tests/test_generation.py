@@ -3,8 +3,6 @@ communicator and through Ray's own transport."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from hf_reference import corpus_prompts, hf_greedy
 
@@ -37,12 +35,10 @@ def _generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
         ("tiny_llama", 3, "1,3,2", "direct"),
     ],
 )
-def test_greedy_matches_transformers(request, ray_cluster, monkeypatch, model, pp, partition,
-                                     plane):
+def test_greedy_matches_transformers(request, ray_cluster, model, pp, partition, plane):
     model_dir = request.getfixturevalue(model)
-    if partition:
-        monkeypatch.setenv("RAYPP_PP_LAYER_PARTITION", partition)
-    with LLM(str(model_dir), pipeline_parallel_size=pp, control_plane=plane) as llm:
+    with LLM(str(model_dir), pipeline_parallel_size=pp, control_plane=plane,
+             layer_partition=partition) as llm:
         assert llm.engine.executor.control_plane == plane
         prompts = _prompts(llm)
         assert [len(p) for p in prompts] == PROMPT_LENGTHS
@@ -104,27 +100,25 @@ def test_ray_created_no_other_communicator(wrapped_llm):
     assert per_actor == [["RayPPCommunicator"], ["RayPPCommunicator"]]
 
 
-def test_ray_native_transport_gives_same_tokens(ray_cluster, tiny_llama, monkeypatch, wrapped_llm):
+def test_ray_native_transport_gives_same_tokens(ray_cluster, tiny_llama, wrapped_llm):
     prompts = _prompts(wrapped_llm)
     wrapped = _generate_ids(wrapped_llm, prompts)
-    monkeypatch.setenv("RAYPP_USE_RAY_WRAPPED_PP_COMM", "0")
-    with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, use_ray_wrapped_pp_comm=False) as llm:
         native = _generate_ids(llm, prompts)
         executor = llm.engine.executor
-        assert not executor.use_wrapped_comm
         assert executor.graph_communicators()["custom"] == []
         stats = executor.comm_stats()
     assert native == wrapped
     assert stats[0]["sends"] == 0  # the PP group carried nothing: Ray's shm did
 
 
-def test_pipelined_reads_survive_a_slow_writer(ray_cluster, tiny_llama, monkeypatch):
+def test_pipelined_reads_survive_a_slow_writer(ray_cluster, tiny_llama):
     """Ray's accelerator-channel read is not retry-safe (probe F1): a writer that
     pauses between its tensor send and its CPU-data write made stock Ray pair one
     execution's data with the next one's tensors. With several micro-batches in
     flight and a 0.25 s pause after every send, every result must still be right."""
-    monkeypatch.setenv("RAYPP_FAULT_INJECT", "delay_send:0:0.25")
-    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_inflight=2, max_num_seqs=4) as llm:
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_inflight=2, max_num_seqs=4,
+             fault_inject="delay_send:0:0.25") as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [3, 8, 13, 21])
         params = SamplingParams(temperature=0, max_tokens=4)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -132,11 +126,26 @@ def test_pipelined_reads_survive_a_slow_writer(ray_cluster, tiny_llama, monkeypa
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 4)
 
 
-def test_env_defaults_to_wrapped_communicator():
-    assert os.environ.get("RAYPP_USE_RAY_WRAPPED_PP_COMM", "1") == "1"
-    from raypp import envs
+def test_config_defaults_come_from_the_environment(tiny_llama, monkeypatch):
+    """A ``RAYPP_*`` variable only supplies a config field's default; an explicit field wins,
+    and what the stages read is the config (it travels to them with the actors)."""
+    from raypp.config import ParallelConfig, RuntimeConfig
 
-    assert envs.RAYPP_USE_RAY_WRAPPED_PP_COMM is True
+    monkeypatch.delenv("RAYPP_USE_RAY_WRAPPED_PP_COMM", raising=False)
+    assert ParallelConfig().use_ray_wrapped_pp_comm is True
+    monkeypatch.setenv("RAYPP_USE_RAY_WRAPPED_PP_COMM", "0")
+    assert ParallelConfig().use_ray_wrapped_pp_comm is False
+    assert ParallelConfig(use_ray_wrapped_pp_comm=True).use_ray_wrapped_pp_comm is True
+    monkeypatch.setenv("RAYPP_PP_LAYER_PARTITION", "1,3,2")
+    assert ParallelConfig(3).layer_partition == [1, 3, 2]
+    assert ParallelConfig(3, layer_partition="2,2,2").layer_partition == [2, 2, 2]
+    monkeypatch.setenv("RAYPP_STEP_TIMEOUT_S", "7")
+    assert RuntimeConfig().step_timeout_s == 7
+    assert RuntimeConfig(step_timeout_s=2).step_timeout_s == 2
+    with pytest.raises(ValueError, match="fault_inject='raise:x'"):
+        RuntimeConfig(fault_inject="raise:x")
+    with pytest.raises(ValueError, match="driver_wait"):
+        RuntimeConfig(driver_wait="sometimes")
 
 
 def test_integer_env_reads_and_names_a_bad_value(monkeypatch):

@@ -56,10 +56,11 @@ def test_more_stages_than_layers(tiny_llama):
         LLM(str(tiny_llama), pipeline_parallel_size=7)
 
 
-def test_bad_partition(tiny_llama, monkeypatch):
-    monkeypatch.setenv("RAYPP_PP_LAYER_PARTITION", "3,2")
+def test_bad_partition(tiny_llama):
     with pytest.raises(ValueError, match="partition"):
-        LLM(str(tiny_llama), pipeline_parallel_size=3)
+        LLM(str(tiny_llama), pipeline_parallel_size=3, layer_partition="3,2")
+    with pytest.raises(ValueError, match='layer partition must look like "3,2,2"'):
+        LLM(str(tiny_llama), pipeline_parallel_size=3, layer_partition="3;2;1")
 
 
 def test_unknown_option_is_rejected(tiny_llama):

@@ -5,8 +5,9 @@ Public surface: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`,
 """
 
 from raypp import logger as _logger
-from raypp.executor.errors import (
+from raypp.errors import (
     EngineDeadError,
+    ErrorKind,
     RequestFailedError,
     StageDiedError,
     StageError,
@@ -17,7 +18,7 @@ from raypp.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "EngineDeadError", "RequestFailedError", "StageDiedError", "StageError", "StepTimeoutError",
+    "EngineDeadError", "ErrorKind", "RequestFailedError", "StageDiedError", "StageError", "StepTimeoutError",
 ]
 __version__ = "0.1.0"
 

@@ -118,15 +118,29 @@ class ModelConfig:
         return list(eos) if isinstance(eos, list) else [int(eos)]
 
 
+_CONTROL_PLANES = ("cgraph", "direct")
+_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class ParallelConfig:
-    """How many stages and TP ranks, and where Ray runs."""
+    """How many stages and TP ranks, where Ray runs, and how stages are connected.
+
+    Fields left ``None`` take their ``RAYPP_*`` default (:mod:`raypp.envs`).
+    ``layer_partition`` (layers per stage, a list or ``"3,2,2"``) overrides the
+    even split; ``use_ray_wrapped_pp_comm=False`` makes the compiled graph carry PP
+    tensors over Ray's own transport instead of :class:`RayPPCommunicator`;
+    ``cpu_p2p`` picks the CPU groups' same-host transport (``"auto"`` or ``"gloo"``).
+    """
 
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     ray_address: str | None = None
-    layer_partition: list[int] | None = None
-    control_plane: str | None = None  # "cgraph" | "direct"; default RAYPP_CONTROL_PLANE
+    layer_partition: list[int] | str | None = None
+    control_plane: str | None = None  # "cgraph" | "direct"
+    use_ray_wrapped_pp_comm: bool | None = None
+    placement_strategy: str | None = None
+    cpu_p2p: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -134,11 +148,19 @@ class ParallelConfig:
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         plane = (self.control_plane or envs.RAYPP_CONTROL_PLANE or "cgraph").strip().lower()
-        if plane not in ("cgraph", "direct"):
-            raise ValueError(f"control_plane must be 'cgraph' or 'direct', got {plane!r}")
+        _check_choice("control_plane", plane, _CONTROL_PLANES)
         self.control_plane = plane
-        if self.layer_partition is None and envs.RAYPP_PP_LAYER_PARTITION:
-            self.layer_partition = parse_partition(envs.RAYPP_PP_LAYER_PARTITION)
+        if self.layer_partition is None:
+            self.layer_partition = envs.RAYPP_PP_LAYER_PARTITION or None
+        if isinstance(self.layer_partition, str):
+            self.layer_partition = parse_partition(self.layer_partition)
+        if self.use_ray_wrapped_pp_comm is None:
+            self.use_ray_wrapped_pp_comm = envs.RAYPP_USE_RAY_WRAPPED_PP_COMM
+        strategy = (self.placement_strategy or envs.RAYPP_PLACEMENT_STRATEGY).strip().upper()
+        _check_choice("placement_strategy", strategy, _PLACEMENT_STRATEGIES)
+        self.placement_strategy = strategy
+        self.cpu_p2p = (self.cpu_p2p or envs.RAYPP_CPU_P2P).strip().lower()
+        _check_choice("cpu_p2p", self.cpu_p2p, ("auto", "gloo"))
 
     @property
     def world_size(self) -> int:
@@ -205,23 +227,74 @@ class SchedulerConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Timeouts, recovery, the CUDA decode path and diagnostics.
+
+    Every field left ``None`` takes its ``RAYPP_*`` default (:mod:`raypp.envs`
+    documents each); this dataclass, not the environment, is what stage actors
+    read. ``fault_inject`` is for tests only (see :mod:`raypp.worker.faults`).
+    """
+
+    step_timeout_s: float | None = None
+    dist_timeout_s: float | None = None
+    max_restarts: int | None = None
+    restart_window_s: float | None = None
+    idle_suspend_s: float | None = None
+    driver_wait: str | None = None  # "spin" | "poll" | "auto"
+    cgraph_buffer_bytes: int | None = None
+    enforce_eager: bool | None = None
+    compile_decode: bool | None = None
+    fused_decode_max_rows: int | None = None
+    trace_comm: bool | None = None
+    fault_inject: str | None = None
+
+    def __post_init__(self) -> None:
+        defaults = {
+            "step_timeout_s": envs.RAYPP_STEP_TIMEOUT_S,
+            "dist_timeout_s": envs.RAYPP_DIST_TIMEOUT_S,
+            "max_restarts": int(envs.RAYPP_MAX_RESTARTS),
+            "restart_window_s": envs.RAYPP_RESTART_WINDOW_S,
+            "idle_suspend_s": envs.RAYPP_IDLE_SUSPEND_S,
+            "driver_wait": envs.RAYPP_DRIVER_WAIT,
+            "cgraph_buffer_bytes": int(envs.RAYPP_CGRAPH_BUFFER_BYTES),
+            "enforce_eager": envs.RAYPP_ENFORCE_EAGER,
+            "compile_decode": envs.RAYPP_COMPILE_DECODE,
+            "fused_decode_max_rows": envs.RAYPP_FUSED_DECODE,
+            "trace_comm": envs.RAYPP_TRACE_COMM,
+            "fault_inject": envs.RAYPP_FAULT_INJECT or None,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        self.driver_wait = self.driver_wait.strip().lower()
+        _check_choice("driver_wait", self.driver_wait, ("auto", "spin", "poll"))
+        if self.fault_inject:
+            from raypp.worker.faults import FaultInjector
+
+            FaultInjector.parse(self.fault_inject)  # a malformed spec fails here, not in a stage
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     device: str = "auto"
-    max_restarts: int | None = None  # default RAYPP_MAX_RESTARTS (in RAYPP_RESTART_WINDOW_S)
 
     def __post_init__(self) -> None:
-        if self.max_restarts is None:
-            self.max_restarts = int(envs.RAYPP_MAX_RESTARTS)
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        _check_choice("device", self.device, ("cpu", "cuda"))
+        if self.runtime.driver_wait == "auto":  # spinning costs a core, which a CPU host lacks
+            self.runtime.driver_wait = "spin" if self.device == "cuda" else "poll"
         if self.scheduler.max_inflight is None:
             self.scheduler.max_inflight = self.parallel.pipeline_parallel_size
         pp = self.parallel.pipeline_parallel_size
@@ -233,11 +306,12 @@ class EngineConfig:
             )
         _check_tp_divisibility(self.model, self.parallel.tensor_parallel_size)
         # Validates the split now, in the caller's process, with a clear error.
-        partition_layers(
-            self.model.num_layers,
-            self.parallel.pipeline_parallel_size,
-            self.parallel.layer_partition,
-        )
+        self.stage_layers()
+
+    def stage_layers(self) -> list[tuple[int, int]]:
+        """``[start, end)`` global layer range of each pipeline stage."""
+        return partition_layers(self.model.num_layers, self.parallel.pipeline_parallel_size,
+                                self.parallel.layer_partition)
 
     @property
     def rounds_ahead(self) -> int:
@@ -270,6 +344,11 @@ def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:
     if intermediate % tp:
         raise ValueError(f"intermediate_size={intermediate} is not divisible by "
                          f"tensor_parallel_size={tp}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def parse_partition(text: str) -> list[int]:

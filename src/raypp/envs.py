@@ -1,10 +1,10 @@
 """Every ``RAYPP_*`` environment variable, typed and documented, in one place.
 
-Values are read when accessed (``envs.RAYPP_STEP_TIMEOUT_S``), so tests and the
-executor may change ``os.environ`` before starting an engine. Ray's own
-compiled-graph knobs (``RAY_CGRAPH_*``) are derived from these in
-:func:`apply_ray_cgraph_env`, which must run before ``ray.dag`` is imported:
-Ray reads them once at import time and silently ignores later changes.
+A variable only supplies the default of a config field: :mod:`raypp.config` reads
+them when a config is made (and :mod:`raypp.logger` the log level, the server
+command its API key); nothing else reads the environment, stage actors included,
+so ``LLM(..., step_timeout_s=3)`` and ``RAYPP_STEP_TIMEOUT_S=3`` do the same.
+Values are read when accessed (``envs.RAYPP_STEP_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_TRACE_COMM": (
         _bool("RAYPP_TRACE_COMM", "0"),
-        "1: stage actors record the wall-clock interval of every RayPPCommunicator "
-        "send/recv (for benchmark timelines); read when a compiled graph is built. "
-        "Off by default (then the hooks cost one attribute check).",
+        "1: stage actors record the wall-clock interval of every point-to-point "
+        "send/recv of their PP group (for benchmark timelines). Off by default (then "
+        "the hooks cost one attribute check).",
     ),
     "RAYPP_API_KEY": (
         _str("RAYPP_API_KEY", None),
@@ -147,18 +147,3 @@ def __dir__() -> list[str]:
 def describe() -> dict[str, str]:
     """Name → one-line description of every variable raypp reads."""
     return {name: doc for name, (_, doc) in _VARIABLES.items()}
-
-
-def apply_ray_cgraph_env() -> None:
-    """Set Ray Compiled Graph timeouts and buffer size from raypp's variables.
-
-    Must be called before ``ray.dag`` is first imported in this process; worker
-    processes of a local cluster inherit the result. Values a user already set
-    in ``RAY_CGRAPH_*`` are kept.
-    """
-    step_timeout = max(1, round(_VARIABLES["RAYPP_STEP_TIMEOUT_S"][0]()))  # Ray parses ints
-    os.environ.setdefault("RAY_CGRAPH_get_timeout", str(step_timeout))
-    os.environ.setdefault("RAY_CGRAPH_submit_timeout", str(step_timeout))
-    os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
-    buffer = int(_VARIABLES["RAYPP_CGRAPH_BUFFER_BYTES"][0]())
-    os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(buffer))

@@ -13,10 +13,11 @@ from raypp.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 from raypp.engine.engine import LLMEngine
-from raypp.executor.errors import RequestFailedError
+from raypp.errors import ErrorKind, RequestFailedError
 from raypp.outputs import RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -27,11 +28,15 @@ class LLM:
     """A pipeline-parallel model on Ray, for offline batched generation.
 
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
-    Extra keyword arguments configure the KV cache (``block_size``,
-    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``) and the scheduler
-    (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``,
-    ``num_decode_steps``, ``async_scheduling``); unknown
-    ones raise ``TypeError``. Use as a context manager or call :meth:`shutdown`.
+    Extra keyword arguments are fields of the engine's configs
+    (:mod:`raypp.config`): the KV cache (``block_size``, ``kv_cache_memory_bytes``,
+    ``gpu_memory_utilization``), the scheduler (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_inflight``, ``num_decode_steps``,
+    ``async_scheduling``), parallelism (``layer_partition``,
+    ``use_ray_wrapped_pp_comm``, ``placement_strategy``, ``cpu_p2p``) and the runtime
+    (``step_timeout_s``, ``enforce_eager``, ``restart_window_s``, …); an option left
+    out takes its ``RAYPP_*`` default, and unknown ones raise ``TypeError``. Use as a
+    context manager or call :meth:`shutdown`.
     """
 
     def __init__(
@@ -48,18 +53,18 @@ class LLM:
         max_restarts: int | None = None,
         **kwargs: Any,
     ):
-        cache_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(CacheConfig)}
-        sched_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(SchedulerConfig)}
+        parts = {cls: {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(cls)}
+                 for cls in (CacheConfig, SchedulerConfig, ParallelConfig, RuntimeConfig)}
         if kwargs:
             raise TypeError(f"LLM() got unknown option(s): {', '.join(sorted(kwargs))}")
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             parallel=ParallelConfig(pipeline_parallel_size, tensor_parallel_size, ray_address,
-                                    control_plane=control_plane),
-            cache=CacheConfig(**cache_kwargs),
-            scheduler=SchedulerConfig(**sched_kwargs),
+                                    control_plane=control_plane, **parts[ParallelConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+            runtime=RuntimeConfig(max_restarts=max_restarts, **parts[RuntimeConfig]),
             device=device,
-            max_restarts=max_restarts,
         )
         self.engine = LLMEngine(config)
         self.engine.emit_unfinished = False  # generate() only needs final outputs
@@ -114,7 +119,7 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
-                        if out.error and not out.error.startswith("stage_error"):
+                        if out.error and out.error_kind is not ErrorKind.STAGE_ERROR:
                             raise self._failure(request_ids, finished)
         except BaseException:
             for request_id in wanted - set(finished):
@@ -150,10 +155,14 @@ class LLM:
         self.shutdown()
 
 
+_EXPLICIT = {"pipeline_parallel_size", "tensor_parallel_size", "ray_address", "control_plane",
+             "max_restarts"}  # LLM's own parameters
+
+
 def _fields(cls: type) -> set[str]:
     from dataclasses import fields
 
-    return {f.name for f in fields(cls) if f.init}
+    return {f.name for f in fields(cls) if f.init} - _EXPLICIT
 
 
 def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:

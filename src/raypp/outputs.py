@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raypp.errors import ErrorKind
+
 
 @dataclass
 class Logprob:
@@ -46,5 +48,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
-    # set when the request failed (a stage raised, died or hung): "<kind>: <message>"
+    # set when the request failed (a stage raised, died or hung): what happened, and why
+    # as a kind callers can branch on (``error_kind.retryable``: the engine recovers)
     error: str | None = None
+    error_kind: ErrorKind | None = None

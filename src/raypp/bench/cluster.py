@@ -12,9 +12,6 @@ import os
 
 def start_ray(address: str | None) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a private local cluster."""
-    from raypp import envs
-
-    envs.apply_ray_cgraph_env()  # before ray.dag is imported anywhere in this process
     import ray
 
     if ray.is_initialized():

@@ -407,7 +407,7 @@ class StageHarness:
 
     @staticmethod
     def _step(ids, pos, qs, seq_lens, tables, slots, rows, index, num_steps=1) -> Any:
-        from raypp.engine.step import SamplingBatch, StepInput
+        from raypp.step import SamplingBatch, StepInput
 
         n = len(rows)
         sampling = SamplingBatch(

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raypp import envs
 from raypp.bench.cluster import start_ray
 from raypp.bench.cpu import CpuMeter
 from raypp.bench.report import format_table, percentile, run_context, summarize, write_json
+from raypp.config import ParallelConfig, RuntimeConfig
 from raypp.distributed.ports import free_port
 
 TRANSPORTS = ("raypp", "shm", "default", "actor")
@@ -66,11 +66,13 @@ class HopStage:
     def rendezvous_address(self) -> str:
         return f"tcp://127.0.0.1:{free_port()}"
 
-    def init_group(self, init_method: str, timeout_s: float) -> None:
+    def init_group(self, init_method: str, timeout_s: float, use_local_pipes: bool = True) -> None:
         from raypp.distributed import parallel_state
 
         layout = parallel_state.RankLayout(tp_size=1, pp_size=self.world)
-        parallel_state.init_distributed(layout, self.rank, init_method, self.device, timeout_s)
+        parallel_state.init_distributed(layout, self.rank, init_method, self.device, timeout_s,
+                                        use_local_pipes)
+        parallel_state.get_pp_group().instrument(trace=True)  # to split a hop's time
 
     def first(self, n: int) -> Any:
         import torch
@@ -118,9 +120,9 @@ class HopStage:
         return times
 
     def drain_comm_trace(self) -> list[tuple[str, int, float, float, int]]:
-        from raypp.distributed import ray_communicator
+        from raypp.distributed.communicator import drain_comm_trace
 
-        return ray_communicator.drain_comm_trace()
+        return drain_comm_trace()
 
     def shutdown(self) -> None:
         from raypp.distributed import parallel_state
@@ -132,16 +134,16 @@ class HopStage:
 def _start_stages(num_stages: int, hidden: int) -> tuple[list[Any], dict[str, int]]:
     import ray
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(("RAYPP_", "RAY_CGRAPH_"))}
-    env["RAYPP_TRACE_COMM"] = "1"  # send/recv intervals, to split a hop's time
+    env = {k: v for k, v in os.environ.items() if k.startswith("RAY_CGRAPH_")}
     actor_cls = ray.remote(num_cpus=0)(HopStage)
     stages = [actor_cls.options(runtime_env={"env_vars": env}).remote(r, num_stages, hidden)
               for r in range(num_stages)]
     pids = ray.get([s.pid.remote() for s in stages], timeout=300)
     if num_stages > 1:
         init_method = ray.get(stages[0].rendezvous_address.remote())
-        ray.get([s.init_group.remote(init_method, envs.RAYPP_DIST_TIMEOUT_S) for s in stages],
-                timeout=300)
+        runtime, parallel = RuntimeConfig(), ParallelConfig()  # the RAYPP_* defaults
+        ray.get([s.init_group.remote(init_method, runtime.dist_timeout_s,
+                                     parallel.cpu_p2p == "auto") for s in stages], timeout=300)
     return stages, {f"stage{i}": pid for i, pid in enumerate(pids)}
 
 

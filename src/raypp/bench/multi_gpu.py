@@ -327,9 +327,6 @@ def check_prompts(work: Workload, vocab: int) -> list[list[int]]:
 def start_ray(device: str) -> None:
     """A private local cluster (unless one is up; Ray counts the GPUs), with NCCL's INIT
     logging on CUDA."""
-    from raypp import envs
-
-    envs.apply_ray_cgraph_env()
     import ray
 
     if ray.is_initialized():

@@ -166,7 +166,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
 def _requests(args: argparse.Namespace, engine: Any) -> list[BenchRequest]:
     if args.dataset:
         return dataset_requests(args.dataset, engine.tokenizer, args.output_len, args.num_prompts)
-    avoid = special_token_ids(engine.tokenizer, engine.eos_token_ids)
+    avoid = special_token_ids(engine.tokenizer, engine.output_processor.eos_token_ids)
     return synthetic_requests(args.num_prompts, args.input_len, args.output_len,
                               engine.config.model.vocab_size, avoid, args.seed)
 

@@ -2,7 +2,7 @@
 
 Sources, all wall-clock (``time.time``) on one host:
 
-- per-stage compute intervals from ``RayExecutor.traced_intervals()`` (recorded
+- per-stage compute intervals from ``Executor.traced_intervals()`` (recorded
   by ``StageWorker.execute_step`` when ``LLMEngine.trace_steps`` is on). Each
   stage runs micro-batches in submission order, so the k-th interval of a stage
   is the k-th traced step the driver submitted;
@@ -72,18 +72,11 @@ class Timeline:
         return [round(b / span, 4) if span > 0 else 0.0 for b in busy]
 
 
-def _drain_comm_on_actor(actor: Any) -> list[tuple[str, int, float, float, int]]:
-    """Runs inside a stage actor (via ``__ray_call__``): its recorded send/recv events."""
-    from raypp.distributed import ray_communicator
-
-    return ray_communicator.drain_comm_trace()
-
-
 def drain_stage_comm(executor: Any) -> list[list[tuple[str, int, float, float, int]]]:
     """Send/recv events recorded in each stage (index = PP rank) since the last drain."""
     import ray
 
-    refs = [lane[0].__ray_call__.remote(_drain_comm_on_actor) for lane in executor.workers]
+    refs = [lane[0].drain_comm_trace.remote() for lane in executor.workers]
     return ray.get(refs, timeout=60)
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,9 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypp import envs
 from raypp.distributed import local_pipes
 from raypp.distributed.local_pipes import LocalPipes
+
+# (op, peer rank in the group, start, end, nbytes) of each traced send/recv in this
+# process, wall clock (time.time); filled only by groups built with tracing on.
+CommEvent = tuple[str, int, float, float, int]
+_COMM_TRACE: deque[CommEvent] = deque(maxlen=1_000_000)
+
+
+def drain_comm_trace() -> list[CommEvent]:
+    """This process's traced send/recv intervals since the last drain (oldest first)."""
+    out = list(_COMM_TRACE)
+    _COMM_TRACE.clear()
+    return out
 
 
 @dataclass
@@ -50,24 +64,36 @@ class DeviceCommunicator:
         self.device = device
         self.pipes = pipes  # CPU only: same-host peers over Unix sockets, others over gloo
         self.stats = TrafficStats()
+        self.trace: deque[CommEvent] | None = None  # see GroupCoordinator.instrument
+        self.after_send: Callable[[], None] | None = None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
+        started = time.time() if self.trace is not None else 0.0
         if self.pipes is not None and self.pipes.reaches(dst):
             self.pipes.send(tensor, dst)
         else:
             dist.send(tensor, dst=self.ranks[dst], group=self.group)
+        nbytes = tensor.numel() * tensor.element_size()
         self.stats.sends += 1
-        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        self.stats.bytes_sent += nbytes
+        if self.trace is not None:
+            self.trace.append(("send", dst, started, time.time(), nbytes))
+        if self.after_send is not None:
+            self.after_send()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        started = time.time() if self.trace is not None else 0.0
         if self.pipes is not None and self.pipes.reaches(src):
             self.pipes.recv_into(tensor, src)
         else:
             dist.recv(tensor, src=self.ranks[src], group=self.group)
+        nbytes = tensor.numel() * tensor.element_size()
         self.stats.recvs += 1
-        self.stats.bytes_received += tensor.numel() * tensor.element_size()
+        self.stats.bytes_received += nbytes
+        if self.trace is not None:
+            self.trace.append(("recv", src, started, time.time(), nbytes))
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -90,7 +116,7 @@ class GroupCoordinator:
 
     def __init__(self, name: str, ranks: list[int], device: torch.device,
                  device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, use_local_pipes: bool = True):
         self.name = name
         self.ranks = list(ranks)
         self.world_size = len(ranks)
@@ -98,12 +124,13 @@ class GroupCoordinator:
         self.rank_in_group = self.ranks.index(self.rank)
         self.device_group = device_group
         self.cpu_group = cpu_group
-        pipes = self._local_pipes(timeout_s) if device.type == "cpu" else None
+        pipes = (self._local_pipes(timeout_s)
+                 if device.type == "cpu" and use_local_pipes else None)
         self.device_communicator = DeviceCommunicator(device_group, self.ranks, device, pipes)
 
     def _local_pipes(self, timeout_s: float) -> LocalPipes | None:
         """Collectively set up Unix-socket pipes to same-host peers (CPU groups only)."""
-        if self.world_size == 1 or envs.RAYPP_CPU_P2P != "auto" or not local_pipes.supported():
+        if self.world_size == 1 or not local_pipes.supported():
             return None
         pipes = LocalPipes(self.rank_in_group, timeout_s)
         me = (local_pipes.host_id(), pipes.address)
@@ -113,10 +140,12 @@ class GroupCoordinator:
 
     @classmethod
     def build(cls, name: str, ranks: list[int], device: torch.device,
-              timeout_s: float) -> GroupCoordinator | None:
+              timeout_s: float, use_local_pipes: bool = True) -> GroupCoordinator | None:
         """Collectively create the group's process groups; the coordinator if we are in it.
 
         Every rank of the world must call this for every group, in the same order.
+        ``use_local_pipes`` (CPU): same-host peers exchange tensors over shared-memory
+        pipes instead of gloo.
         """
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -124,7 +153,14 @@ class GroupCoordinator:
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         if dist.get_rank() not in ranks:
             return None
-        return cls(name, ranks, device, device_group, cpu_group, timeout_s)
+        return cls(name, ranks, device, device_group, cpu_group, timeout_s, use_local_pipes)
+
+    def instrument(self, trace: bool, after_send: Callable[[], None] | None = None) -> None:
+        """``trace``: record every point-to-point send/recv interval of this group
+        (:func:`drain_comm_trace` returns them); ``after_send``: called after each
+        tensor this rank sends (test-only fault injection)."""
+        self.device_communicator.trace = _COMM_TRACE if trace else None
+        self.device_communicator.after_send = after_send
 
     # -- topology, so stage code never does rank arithmetic ---------------------
     @property

@@ -48,9 +48,14 @@ _PP: GroupCoordinator | None = None
 
 
 def init_distributed(
-    layout: RankLayout, rank: int, init_method: str, device: torch.device, timeout_s: float
+    layout: RankLayout, rank: int, init_method: str, device: torch.device, timeout_s: float,
+    use_local_pipes: bool = True,
 ) -> None:
-    """Join the world and build the world, TP and PP groups of this worker."""
+    """Join the world and build the world, TP and PP groups of this worker.
+
+    ``use_local_pipes`` (CPU): same-host ranks exchange tensors over shared-memory
+    pipes (:mod:`raypp.distributed.local_pipes`) instead of gloo.
+    """
     global _WORLD, _TP, _PP
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -60,12 +65,14 @@ def init_distributed(
         world_size=layout.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    _WORLD = GroupCoordinator.build("world", list(range(layout.world_size)), device, timeout_s)
+    pipes = use_local_pipes
+    _WORLD = GroupCoordinator.build("world", list(range(layout.world_size)), device, timeout_s,
+                                    pipes)
     # new_group is collective over the world: every rank builds every group, in order.
     for ranks in layout.tp_group_ranks():
-        _TP = GroupCoordinator.build("tp", ranks, device, timeout_s) or _TP
+        _TP = GroupCoordinator.build("tp", ranks, device, timeout_s, pipes) or _TP
     for ranks in layout.pp_group_ranks():
-        _PP = GroupCoordinator.build("pp", ranks, device, timeout_s) or _PP
+        _PP = GroupCoordinator.build("pp", ranks, device, timeout_s, pipes) or _PP
 
 
 def get_world_group() -> GroupCoordinator:

@@ -23,9 +23,7 @@ map all-gathered over the PP group).
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
-from collections import deque
 from typing import Any
 
 import ray
@@ -33,23 +31,8 @@ import torch
 from ray.exceptions import RayChannelError
 from ray.experimental.channel.cpu_communicator import CPUCommunicator
 
-from raypp import envs
-from raypp.executor.faults import FaultInjector
-
 TRANSPORT_NAME = "accelerator"  # Ray 2.60 accepts only this for a custom communicator
 _ACTOR_ID_BYTES = 32  # hex actor ids: 16 bytes → 32 characters
-
-# (op, peer_rank, start, end, nbytes) of each send/recv in this process, wall clock
-# (time.time). Filled only when RAYPP_TRACE_COMM is on; drained by benchmarks.
-CommEvent = tuple[str, int, float, float, int]
-_COMM_TRACE: deque[CommEvent] = deque(maxlen=1_000_000)
-
-
-def drain_comm_trace() -> list[CommEvent]:
-    """This process's recorded send/recv intervals since the last drain (oldest first)."""
-    out = list(_COMM_TRACE)
-    _COMM_TRACE.clear()
-    return out
 
 
 class RayPPCommunicator(CPUCommunicator):
@@ -67,8 +50,6 @@ class RayPPCommunicator(CPUCommunicator):
         self._actor_id_to_rank: dict[str, int] | None = None
         self._closed = False
         self._group: Any = None
-        self._fault = FaultInjector()
-        self._trace: deque[CommEvent] | None = None
 
     # -- set-up, inside each stage actor --------------------------------------------
     def initialize(self, rank: int) -> None:
@@ -83,8 +64,6 @@ class RayPPCommunicator(CPUCommunicator):
             )
         self._rank = self._group.rank_in_group
         self._actor_id_to_rank = self._build_actor_rank_map()
-        self._fault = FaultInjector.from_env(self._rank)
-        self._trace = _COMM_TRACE if envs.RAYPP_TRACE_COMM else None
         self._closed = False
 
     def _build_actor_rank_map(self) -> dict[str, int]:
@@ -127,15 +106,10 @@ class RayPPCommunicator(CPUCommunicator):
     def send(self, buf: torch.Tensor, peer_rank: int) -> None:
         """Returns once ``buf`` may be reused; ``RayChannelError`` if destroyed."""
         self._check_open()
-        started = time.time() if self._trace is not None else 0.0
         try:
             self._group.send(buf, peer_rank)
         except RuntimeError as e:
             raise RayChannelError(f"PP send to rank {peer_rank} failed: {e}") from e
-        if self._trace is not None:
-            self._trace.append(("send", peer_rank, started, time.time(),
-                                buf.numel() * buf.element_size()))
-        self._fault.after_send()
 
     def recv(
         self,
@@ -146,7 +120,6 @@ class RayPPCommunicator(CPUCommunicator):
     ) -> torch.Tensor:
         """A new tensor from ``peer_rank`` (Ray's allocator is not needed)."""
         self._check_open()
-        started = time.time() if self._trace is not None else 0.0
         try:
             tensor = self._group.recv(tuple(shape), dtype, peer_rank)
         except RuntimeError as e:
@@ -154,9 +127,6 @@ class RayPPCommunicator(CPUCommunicator):
         if tensor.is_cuda:
             # Ray's contract: the buffer is safe to read from any stream on return.
             torch.cuda.current_stream().synchronize()
-        if self._trace is not None:
-            self._trace.append(("recv", peer_rank, started, time.time(),
-                                tensor.numel() * tensor.element_size()))
         self._check_open()  # the buffer is undefined if the group was torn down meanwhile
         return tensor
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raypp.engine.engine import LLMEngine
-from raypp.executor.errors import EngineDeadError
+from raypp.errors import EngineDeadError
 from raypp.outputs import RequestOutput
 from raypp.sampling_params import SamplingParams
 

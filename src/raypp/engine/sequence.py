@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from raypp.errors import ErrorKind
 from raypp.outputs import Logprob
 from raypp.sampling_params import SamplingParams
 
@@ -79,6 +80,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
     @property
     def finished(self) -> bool:

@@ -37,7 +37,7 @@ from raypp import envs
 from raypp.engine.async_engine import AsyncLLMEngine, GenerationError
 from raypp.entrypoints import protocol as p
 from raypp.entrypoints.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
-from raypp.executor.errors import EngineDeadError
+from raypp.errors import EngineDeadError
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -259,7 +259,8 @@ class _Handlers:
         except ValueError as e:  # rejected by the engine itself
             raise APIError(400, str(e)) from None
         except GenerationError as e:
-            if str(e).startswith(("stage_died", "step_timeout")):  # workers being replaced
+            kind = e.output.error_kind
+            if kind is not None and kind.retryable:  # the workers are being replaced
                 raise APIError(503, f"pipeline unavailable, retry: {e}",
                                "service_unavailable") from None
             raise APIError(500, f"generation failed: {e}", "internal_server_error") from None

@@ -8,16 +8,16 @@ and LM head. Parameter names match Hugging Face checkpoints
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raypp.model.attention import AttentionMetadata, PagedAttention
+from raypp.model.base import StageModel, StageSpec
 from raypp.model.layers import (
-    AttentionMetadata,
     MergedColumnParallelLinear,
-    PagedAttention,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -27,19 +27,11 @@ from raypp.model.layers import (
     VocabParallelEmbedding,
 )
 
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Which global layers ``[start, end)`` a stage owns, and its ends."""
-
-    start: int
-    end: int
-    is_first: bool
-    is_last: bool
+FUSED_DECODE_MAX_ROWS = 64  # raypp.kernels.linear.GEMM_MAX_ROWS (not imported: Triton)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype, backend: str):
         super().__init__()
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -48,7 +40,8 @@ class DecoderLayer(nn.Module):
         llama_bias = bool(cfg.get("attention_bias", False))
         qwen2 = cfg.get("model_type") == "qwen2"  # Qwen2: bias on q/k/v only
         self.self_attn = Attention(
-            cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype
+            cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype,
+            backend
         )
         self.mlp = MLP(hidden, cfg["intermediate_size"], tp, dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -69,7 +62,7 @@ class DecoderLayer(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, cfg: dict, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype):
+                 qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype, backend: str):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, o_bias, tp, dtype)
@@ -77,29 +70,14 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         theta, scaling = rope_settings(cfg)
-        self.rotary = RotaryEmbedding(
-            head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling
-        )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
+        rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 2048), theta,
+                                 scaling)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, rotary, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # hidden: [tokens, hidden]
-        qkv = self.qkv_proj(hidden)
-        if meta.decode_only and qkv.is_cuda:  # rotary, KV store and attention: one kernel
-            from raypp.model.triton_decode import rope_decode_attention_op
-
-            return self.o_proj(rope_decode_attention_op(
-                qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.attn.scale))
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(self.qkv_proj(hidden), positions, kv_cache, meta))
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
@@ -127,14 +105,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaStageModel(nn.Module):
-    """One stage of a Llama-family model.
+class LlamaStageModel(StageModel):
+    """One stage of a Llama-family model (Llama, Qwen2).
 
     ``forward`` takes token ids (first stage) or the previous stage's
     ``hidden_states``/``residual`` and returns the same pair, except on the last
     stage, which returns final normalized hidden states of the requested rows.
     """
 
+    fused_decode_max_rows = FUSED_DECODE_MAX_ROWS
     # checkpoint sub-name → (our fused parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
@@ -144,7 +123,8 @@ class LlamaStageModel(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: dict, stage: StageSpec, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, cfg: dict, stage: StageSpec, tp: TPContext, dtype: torch.dtype,
+                 attention_backend: str = "torch"):
         super().__init__()
         self.cfg = cfg
         self.stage = stage
@@ -154,15 +134,12 @@ class LlamaStageModel(nn.Module):
         if stage.is_first:
             self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp, dtype)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, tp, dtype) for i in range(stage.start, stage.end)}
+            {str(i): DecoderLayer(cfg, tp, dtype, attention_backend)
+             for i in range(stage.start, stage.end)}
         )
         if stage.is_last:
             self.model.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
             self.lm_head = ParallelLMHead(vocab, hidden, tp, dtype)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(range(self.stage.start, self.stage.end))
 
     def forward(
         self,
@@ -182,10 +159,6 @@ class LlamaStageModel(nn.Module):
             hidden_states, _ = self.model.norm(hidden_states, residual)
             return hidden_states, None
         return hidden_states, residual
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype (the sampler upcasts where it needs to)."""
-        return self.lm_head.logits(hidden)
 
     def checkpoint_names(self, name: str) -> list[tuple[str, str, object]]:
         """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
@@ -207,3 +180,67 @@ class LlamaStageModel(nn.Module):
                     return [(name.replace(f".{sub}.", f".{fused}."), shard)]
             return [(name, None)]
         return []  # e.g. rotary inv_freq buffers stored by old checkpoints
+
+    # -- the fused decode chain (CUDA graphs of small decode batches) ----------------------
+    def fused_decode_unsupported(self) -> str | None:
+        for layer in self.model.layers.values():
+            attn = layer.self_attn
+            if attn.qkv_proj.tp.size != 1:
+                return "tensor parallelism (the fused path has no all-reduce)"
+            if attn.head_dim % 2:
+                return f"odd head_dim {attn.head_dim}"
+        return None
+
+    def fused_decode_forward(self, kv_caches: list[torch.Tensor], positions: torch.Tensor,
+                             slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, input_ids: torch.Tensor | None,
+                             hidden_states: torch.Tensor | None, residual: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` of a decode batch of up to :data:`FUSED_DECODE_MAX_ROWS` rows as a
+        chain of :mod:`raypp.kernels` launches, seven per layer::
+
+            add+RMSNorm → qkv → rotary + KV store + attention → o → add+RMSNorm
+            → gate/up with SiLU·mul → down
+
+        The projections are GEMVs at batch 1 and tensor-core GEMMs split over K above.
+        On Hopper every kernel is launched with programmatic dependent launch, so it
+        loads its first weights while the previous one drains: a small decode batch
+        reads every weight once and does little arithmetic, so what costs beyond the
+        bytes is kernels that each take microseconds to start and drain. It rounds
+        where :meth:`forward` rounds.
+        """
+        from raypp.kernels.decode_attention import rope_decode_attention
+        from raypp.kernels.linear import linear
+        from raypp.kernels.norm import rms_norm
+        from raypp.kernels.tuning import pdl_supported
+
+        assert positions.shape[0] <= FUSED_DECODE_MAX_ROWS
+        pdl = pdl_supported(positions.device)
+
+        def norm_linear(x: torch.Tensor, res: torch.Tensor | None, norm: Any, w: torch.Tensor,
+                        bias: torch.Tensor | None, gated: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # (linear(rms_norm(x + res)), x + res)
+            x, res = rms_norm(x, res, norm.weight, norm.eps, pdl)
+            return linear(x, w, bias, gated, pdl), res
+
+        if self.stage.is_first:
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            hidden = hidden_states
+        for cache, layer in zip(kv_caches, self.model.layers.values(), strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, residual = norm_linear(hidden, residual, layer.input_layernorm,
+                                        attn.qkv_proj.weight, attn.qkv_proj.bias, False)
+            rotary = attn.attn.rotary
+            out = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, cache,
+                                        slot_mapping, block_tables, seq_lens, attn.num_heads,
+                                        attn.attn.scale, pdl)
+            out = linear(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
+            act, residual = norm_linear(out, residual, layer.post_attention_layernorm,
+                                        mlp.gate_up_proj.weight, None, True)
+            hidden = linear(act, mlp.down_proj.weight, None, False, pdl)
+        if self.stage.is_last:
+            norm = self.model.norm
+            return rms_norm(hidden, residual, norm.weight, norm.eps, pdl)[0], None
+        return hidden, residual

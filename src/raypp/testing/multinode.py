@@ -34,9 +34,6 @@ def main() -> None:
     os.environ["RAYPP_PLACEMENT_STRATEGY"] = "STRICT_SPREAD"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from raypp import envs
-
-    envs.apply_ray_cgraph_env()
     import ray
     from ray.cluster_utils import Cluster
 

@@ -1,4 +1,4 @@
-"""The per-step messages between the engine and the stages.
+"""The wire contract between the engine and the stages, and between stages.
 
 A :class:`StepInput` is the compact descriptor of one micro-batch: flat token
 ids and positions, where those tokens go in the paged cache, and how to sample
@@ -14,6 +14,10 @@ the stage still holds on the device, so the engine can submit it before they ret
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -95,3 +99,46 @@ class StepOutput:
     step_id: int
     token_ids: list[list[int]]
     logprobs: list[list[RowLogprobs] | None] = field(default_factory=list)
+
+
+@dataclass
+class StageHandoff:
+    """What a stage that is not last passes to the next stage: the micro-batch's
+    descriptor and its activations.
+
+    The activations are one tensor ``[2, tokens, hidden]`` (hidden states, then the
+    residual stream), so a hop is one transfer. Built once by :meth:`pack` on the
+    sending stage; every consumer (the eager forward, the decode-graph loader, the
+    direct plane's loop) reads it through :attr:`hidden_states` and :attr:`residual`,
+    so no two paths can spell its parts differently. It travels as is through a
+    compiled graph (Ray moves the tensor over ``RayPPCommunicator``, the rest over
+    shared memory) and as :meth:`tensors` / :meth:`from_tensors` over the PP group on
+    the direct plane, whose step descriptor arrives on its own queue.
+    """
+
+    step: StepInput
+    packed: torch.Tensor  # [2, tokens, hidden]
+
+    @classmethod
+    def pack(cls, step: StepInput, hidden_states: torch.Tensor,
+             residual: torch.Tensor) -> StageHandoff:
+        import torch
+
+        return cls(step, torch.stack((hidden_states, residual)))
+
+    @property
+    def hidden_states(self) -> torch.Tensor:  # [tokens, hidden]
+        return self.packed[0]
+
+    @property
+    def residual(self) -> torch.Tensor:  # [tokens, hidden]
+        return self.packed[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors to send point to point (``GroupCoordinator.send_tensor_dict``)."""
+        return {"packed": self.packed}
+
+    @classmethod
+    def from_tensors(cls, step: StepInput, tensors: dict[str, torch.Tensor]) -> StageHandoff:
+        """Inverse of :meth:`tensors`, given the step descriptor."""
+        return cls(step, tensors["packed"])

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache on CUDA: Triton kernels plus an SDPA prefill.
 
-Cache layout per layer (as :class:`raypp.model.layers.PagedAttention`):
+Cache layout per layer (as :class:`raypp.model.attention.PagedAttention`):
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
 
 - :func:`store_kv` writes this step's keys/values into their cache slots in one
@@ -13,38 +13,22 @@ Cache layout per layer (as :class:`raypp.model.layers.PagedAttention`):
 - :func:`paged_attention` is a layer's step with prefill rows: store, then the
   decode kernel for one-token rows and ``scaled_dot_product_attention`` (flash /
   efficient backends) per multi-token sequence. Decode-only steps take
-  :mod:`raypp.model.triton_decode`'s fused op instead (rotary, store and this
+  :mod:`raypp.kernels.decode_attention`'s fused op instead (rotary, store and this
   decode algorithm in one kernel, plus the split combine), which CUDA graphs capture.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from raypp.kernels.tuning import DecodeLaunch, sm_count, tables
+
 MIN_SPLIT_TOKENS = 64  # a split never covers fewer tokens than this
 MAX_SPLITS = 32
 _SPLITS_PAD = 32  # combine kernel reads up to this many splits (masked)
-
-
-class DecodeLaunch(NamedTuple):
-    """How the decode kernel runs: context tokens per inner iteration, warps, and
-    software-pipeline stages of its loads. The default was the best single setting
-    over batch 1..256 on an H200 (``attention_launch`` in benchmarks/gpu): within 4 %
-    of each batch's fastest; faster than (64, 4, 3) by 1-2 % at batch 1, 4-5 % at 64,
-    and about 12 % at 16 and 256."""
-
-    block: int = 64
-    num_warps: int = 2
-    num_stages: int = 2
-
-
-DEFAULT_LAUNCH = DecodeLaunch()
 
 
 # -- kernels ------------------------------------------------------------------------------
@@ -188,13 +172,6 @@ def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # Triton's interpreter (tests on CPU): behave like an H100/H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Context splits per (sequence, kv head).
 
@@ -204,10 +181,10 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.
     its launch grid.
     """
     pairs = max(1, num_seqs * num_kv_heads)
-    if pairs >= 2 * _sm_count(device):
+    if pairs >= 2 * sm_count(device):
         return 1
     most = max(1, -(-max_tokens // MIN_SPLIT_TOKENS))
-    return max(1, min(-(-8 * _sm_count(device) // pairs), most, MAX_SPLITS))
+    return max(1, min(-(-8 * sm_count(device) // pairs), most, MAX_SPLITS))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
@@ -228,13 +205,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 splits: int | None = None, launch: DecodeLaunch = DEFAULT_LAUNCH
+                 splits: int | None = None, launch: DecodeLaunch | None = None
                  ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context.
 
     ``q``: [seqs, heads, dim]; ``block_tables``: [seqs, width] (int32/int64);
     ``seq_lens``: [seqs] context lengths, this step's token included (0: a
     padding row, output zeros). Returns [seqs, heads, dim] in q's dtype.
+    ``splits`` and ``launch`` override :func:`num_splits` and the device's tuning table.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -243,6 +221,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         return out
     assert q.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     group = num_heads // num_kv_heads
+    launch = launch or tables(q.device).decode_launch
     max_tokens = block_tables.shape[1] * block_size
     if splits is None:
         splits = num_splits(num_seqs, num_kv_heads, max_tokens, q.device)
@@ -285,7 +264,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend; returns [tokens, heads * dim].
 
-    ``meta`` is a :class:`raypp.model.layers.AttentionMetadata`; its Python lists
+    ``meta`` is a :class:`raypp.model.attention.AttentionMetadata`; its Python lists
     drive a per-sequence prefill (not graph-capturable).
     """
     # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from raypp.engine.sampler import (
+from raypp.model.attention import AttentionMetadata
+from raypp.step import RowLogprobs, StepInput
+from raypp.worker.sampler import (
     SamplingTensors,
     logprob_stats,
     row_logprobs,
     sample_tokens,
     sampled_logprobs,
 )
-from raypp.engine.step import RowLogprobs, StepInput
-from raypp.model.layers import AttentionMetadata
 
 
 @dataclass
@@ -56,9 +56,9 @@ class DecodeInputs:
     def advance(self, tokens: torch.Tensor, block_size: int) -> None:
         """Make these the inputs of the next step, whose tokens are ``tokens``."""
         if tokens.is_cuda:
-            from raypp.executor import decode_loop_cuda
+            from raypp.kernels import sampling
 
-            decode_loop_cuda.advance(self, tokens, block_size)
+            sampling.advance(self, tokens, block_size)
             return
         self.input_ids.copy_(tokens)
         self.positions.add_(1)
@@ -106,7 +106,7 @@ def run_decode_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
 
 def _greedy_cuda_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs,
                        num_steps: int, block_size: int) -> DecodeRun:
-    from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
+    from raypp.kernels.sampling import EMPTY_KEY, greedy_step
 
     rows = inputs.input_ids.shape[0]
     device = inputs.input_ids.device

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raypp.engine.step import RowLogprobs, SamplingBatch
+from raypp.step import RowLogprobs, SamplingBatch
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27, so products with 32-bit values stay inside int64

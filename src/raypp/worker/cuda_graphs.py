@@ -12,15 +12,16 @@ Inductor fuses the many small element-wise kernels of a layer (RMSNorm, rotary,
 SiLU·mul, casts) while the paged attention stays one opaque custom op. One
 compilation with a dynamic batch dimension serves every size (plus one for batch
 1); a size whose compilation fails is captured from the eager forward instead.
-Sizes up to ``fused_max_rows`` (``RAYPP_FUSED_DECODE``) capture the fused Triton
-kernel chain of :mod:`raypp.model.fused_decode` instead, where the model allows it.
+Sizes up to ``fused_max_rows`` (``RuntimeConfig.fused_decode_max_rows``) capture the
+model family's fused Triton kernel chain instead (``fused_decode_forward``, see
+:class:`raypp.model.base.StageModel`), where the stage has one.
 
 Every tensor a graph reads lives in :class:`StaticBuffers`. The per-step integer
 inputs (ids, positions, slots, lengths, block tables) are written into one
 pinned host buffer and copied asynchronously, so a step costs no synchronous
-host-to-device transfer. ``RAYPP_ENFORCE_EAGER=1`` turns graphs off (the worker
-then never builds a :class:`DecodeGraphs`); ``RAYPP_COMPILE_DECODE=0`` keeps
-graphs but skips ``torch.compile``.
+host-to-device transfer. ``enforce_eager`` turns graphs off (the worker then never
+builds a :class:`DecodeGraphs`); ``compile_decode=False`` keeps graphs but skips
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from typing import Any
 
 import torch
 
-from raypp.engine.step import StepInput
-from raypp.executor.decode_loop import DecodeInputs
-from raypp.model.layers import AttentionMetadata
+from raypp.model.attention import AttentionMetadata
+from raypp.step import StageHandoff, StepInput
+from raypp.worker.decode_loop import DecodeInputs
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,11 @@ def decode_forward(model: Any, kv_caches: list[torch.Tensor], positions: torch.T
                  residual=residual)
 
 
+def _fused_forward(model: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`decode_forward`'s contract through the model's fused kernel chain."""
+    return model.fused_decode_forward(*args)
+
+
 class DecodeGraphs:
     """Captured decode graphs of one stage's model, and the step → replay path."""
 
@@ -121,11 +127,8 @@ class DecodeGraphs:
         self.compiled_sizes: list[int] = []  # sizes whose graph holds the compiled forward
         self.compile_error: str | None = None
         self.fused_sizes: list[int] = []  # sizes whose graph holds the fused kernel chain
-        from raypp.model import fused_decode  # imports Triton: CUDA only
-
-        self._fused_forward = fused_decode.fused_decode_forward
-        self.fused_max_rows = min(fused_max_rows, fused_decode.MAX_ROWS)
-        self.fused_unsupported = (fused_decode.unsupported_reason(model) if fused_max_rows > 0
+        self.fused_max_rows = min(fused_max_rows, model.fused_decode_max_rows)
+        self.fused_unsupported = (model.fused_decode_unsupported() if fused_max_rows > 0
                                   else "disabled")
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
         self.capture_seconds = 0.0
@@ -153,9 +156,9 @@ class DecodeGraphs:
         one."""
         args = self._args(g)
         if g <= self.fused_max_rows and self.fused_unsupported is None:
-            out = self._fused_forward(*args)
+            out = _fused_forward(*args)
             self.fused_sizes.append(g)
-            return self._fused_forward, out
+            return _fused_forward, out
         if self._compiled is not None and self.compile_error is None:
             if g >= 2:  # one graph with a symbolic batch serves every size >= 2
                 for t in args[2:]:
@@ -206,26 +209,29 @@ class DecodeGraphs:
     def graph_size(self, n: int) -> int:
         return next(g for g in self.sizes if g >= n)
 
-    def run(self, step: StepInput, inputs: dict[str, torch.Tensor] | None) -> Any:
-        """The stage's forward for ``step`` (``can_run`` must hold).
+    def run(self, step: StepInput, handoff: StageHandoff | None) -> Any:
+        """The stage's forward for ``step`` (``can_run`` must hold); ``handoff``: the
+        previous stage's activations (``None`` on the first stage).
 
         A last stage returns every row's logits ``[rows, vocab]``, a view valid
         until the next replay; other stages return copies of ``(hidden, residual)``.
         """
-        self.load(step, inputs)
+        self.load(step, handoff)
         out = self.replay()
         return out if self.is_last else (out[0].clone(), out[1].clone())
 
-    def load(self, step: StepInput, inputs: dict[str, torch.Tensor] | None = None) -> DecodeInputs:
+    def load(self, step: StepInput, handoff: StageHandoff | None = None) -> DecodeInputs:
         """Stage ``step``'s inputs; returns views of the buffers the graph reads."""
         n = step.num_seqs
         g = self.graph_size(n)
         self._stage_inputs(step, g)
         b = self.buffers
         if not self.is_first:
-            assert inputs is not None
-            b.hidden_states[:n].copy_(inputs["hidden_states"])
-            b.residual[:n].copy_(inputs["residual"])
+            if handoff is None:
+                raise ValueError(f"step {step.step_id}: a stage after the first needs the "
+                                 "previous stage's hand-off")
+            b.hidden_states[:n].copy_(handoff.hidden_states)
+            b.residual[:n].copy_(handoff.residual)
         self._loaded = (g, n)
         return DecodeInputs(b.input_ids[:n], b.positions[:n], b.slot_mapping[:n], b.seq_lens[:n],
                             b.block_tables[:n])

@@ -1,15 +1,34 @@
-"""How a step can fail, told apart so the engine reacts to each correctly.
+"""How a step or a request can fail, told apart so callers react to each correctly.
 
 - :class:`StageError`: an exception inside one stage's compute. Only that step's
   requests fail; the executor stays usable.
 - :class:`StageDiedError`: a stage actor (or its node, or a channel) is gone. The
   executor can run no more steps: the engine replaces it.
-- :class:`StepTimeoutError`: no result within ``RAYPP_STEP_TIMEOUT_S``. Treated
-  like a death: the engine replaces the executor.
+- :class:`StepTimeoutError`: no result within the step timeout. Treated like a
+  death: the engine replaces the executor.
 - :class:`EngineDeadError`: the engine stopped (restarts exhausted or shut down).
+
+A request that fails carries an :class:`ErrorKind` on its ``RequestOutput``, so
+callers branch on the kind, never on the text of the message.
 """
 
 from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request finished with an error (``RequestOutput.error_kind``)."""
+
+    STAGE_ERROR = "stage_error"  # its micro-batch raised inside a stage; others unaffected
+    STAGE_DIED = "stage_died"  # a stage died with it in flight; the workers are replaced
+    STEP_TIMEOUT = "step_timeout"  # its step hung; the workers are replaced
+    ENGINE_DEAD = "engine_dead"  # the engine stopped (restart budget spent or shut down)
+
+    @property
+    def retryable(self) -> bool:
+        """True when the engine recovers on its own and a retry may succeed."""
+        return self in (ErrorKind.STAGE_DIED, ErrorKind.STEP_TIMEOUT)
 
 
 class StageError(RuntimeError):
@@ -32,8 +51,9 @@ class RequestFailedError(RuntimeError):
     """Raised by ``LLM.generate`` when requests failed.
 
     ``errors`` maps prompt index → error text; ``outputs`` holds every request's
-    output in prompt order (failed ones finished with ``finish_reason="error"``,
-    or ``None`` for requests cut short when the pipeline went down).
+    output in prompt order (failed ones finished with ``finish_reason="error"``
+    and an ``error_kind``, or ``None`` for requests cut short when the pipeline
+    went down).
     """
 
     def __init__(self, errors: dict[int, str], outputs: list):

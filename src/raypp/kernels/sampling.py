@@ -1,4 +1,4 @@
-"""The CUDA half of :mod:`raypp.executor.decode_loop`: one Triton launch advances a
+"""The CUDA half of :mod:`raypp.worker.decode_loop`: one Triton launch advances a
 decode batch's inputs to the next step (instead of seven small PyTorch kernels), and
 a greedy step is two launches: every (row, vocabulary chunk) program folds its chunk's
 maximum into the row's key with an atomic max, then one program per rows block turns
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from raypp.executor.decode_loop import DecodeInputs
+    from raypp.worker.decode_loop import DecodeInputs
 
 _ROWS_PER_PROGRAM = 256
 

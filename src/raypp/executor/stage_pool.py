@@ -1,0 +1,221 @@
+"""The stage actors of one engine: placement, start-up, liveness, names and teardown.
+
+Both control planes drive a :class:`StagePool`; it knows nothing about how steps
+reach the stages. :meth:`StagePool.start` runs: join or start Ray → one
+placement-group bundle per worker → actors named ``raypp_worker_<pp_rank>_<tp_rank>``
+in a namespace of their own → ``torch.distributed`` rendezvous at an address rank 0
+picks → model shards → KV cache sized to the smallest stage budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, TaskPlacementGroupRemoved
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypp.config import EngineConfig
+from raypp.errors import first_line
+from raypp.worker.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+WORKER_CPUS = 0.01  # stage actors must not need a whole CPU each on a 2-core box
+STARTUP_TIMEOUT_S = 300
+PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this, whatever it is doing
+
+
+def ensure_ray(address: str | None) -> None:
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local one."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(
+            address="local",  # a new local cluster, never one that happens to run here
+            num_cpus=max(2, os.cpu_count() or 2),
+            object_store_memory=256 * 2**20,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+
+
+class StagePool:
+    """Every worker of one engine, ``workers[pp_rank][tp_rank]``.
+
+    :meth:`kill` is idempotent and undoes whatever part of :meth:`start` ran, so a
+    failed start-up leaves nothing behind.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.namespace = f"raypp-{uuid.uuid4().hex[:8]}"
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.workers: list[list[Any]] = []
+        self.load_info: list[dict[str, Any]] = []
+        self.num_kv_blocks = 0
+        self._pg: Any = None
+
+    @property
+    def all_workers(self) -> list[Any]:
+        """Every worker, by global rank (``pp_rank * tp_size + tp_rank``)."""
+        return [w for lane in self.workers for w in lane]
+
+    def lane(self, tp_rank: int) -> list[Any]:
+        """The workers of one TP index, in PP-rank order (one PP group)."""
+        return [stage[tp_rank] for stage in self.workers]
+
+    def name(self, index: int) -> str:
+        """``"stage k (actor raypp_worker_k_t)"`` of the worker at global rank ``index``."""
+        pp_rank, tp_rank = divmod(index, self.tp_size)
+        return f"stage {pp_rank} (actor raypp_worker_{pp_rank}_{tp_rank})"
+
+    # -- start-up ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Create, connect and load every worker and size their KV caches."""
+        ensure_ray(self.config.parallel.ray_address)
+        self._create_actors()
+        self.num_kv_blocks = self._init_workers()
+
+    def _create_actors(self) -> None:
+        on_gpu = self.config.device == "cuda"
+        bundle = {"GPU": 1, "CPU": WORKER_CPUS} if on_gpu else {"CPU": WORKER_CPUS}
+        world = self.pp_size * self.tp_size
+        if on_gpu:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            if gpus < world:
+                raise ValueError(
+                    f"tensor_parallel_size × pipeline_parallel_size = {world} workers need "
+                    f"{world} GPUs, but the Ray cluster has {gpus}"
+                )
+        self._reserve_bundles([dict(bundle) for _ in range(world)])
+        # Ray's own compiled-graph knobs, if the user set any, apply in the stages too
+        env = {k: v for k, v in os.environ.items() if k.startswith("RAY_CGRAPH_")}
+        actor_cls = ray.remote(StageWorker)
+        for pp_rank in range(self.pp_size):
+            lane: list[Any] = []
+            self.workers.append(lane)  # in place, so kill() sees partial start-ups
+            for tp_rank in range(self.tp_size):
+                rank = pp_rank * self.tp_size + tp_rank
+                lane.append(
+                    actor_cls.options(
+                        name=f"raypp_worker_{pp_rank}_{tp_rank}",
+                        namespace=self.namespace,
+                        num_cpus=WORKER_CPUS,
+                        num_gpus=1 if on_gpu else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self._pg, placement_group_bundle_index=rank
+                        ),
+                        runtime_env={"env_vars": env},
+                    ).remote(self.config, pp_rank, tp_rank)
+                )
+
+    def _reserve_bundles(self, bundles: list[dict[str, float]]) -> None:
+        """Hold one placement-group bundle per worker, waiting up to the start-up timeout.
+
+        A node that dies while its bundles are reserved (a replaced stage's raylet
+        can crash in Ray: ray-project/ray#63229) removes the group: a new one
+        is asked for until the cluster can hold it again.
+        """
+        strategy = self.config.parallel.placement_strategy
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            self._pg = placement_group(bundles, strategy=strategy)
+            try:
+                ray.get(self._pg.ready(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except TaskPlacementGroupRemoved:
+                self._remove_placement_group()
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("a node holding the stage bundles died; reserving again")
+                time.sleep(1.0)
+            except GetTimeoutError:
+                self._remove_placement_group()
+                alive = [n for n in ray.nodes() if n.get("Alive")]
+                raise RuntimeError(
+                    f"the Ray cluster could not hold {len(bundles)} stage workers "
+                    f"({bundles[0]} each, placement {strategy}) within {STARTUP_TIMEOUT_S} s; "
+                    f"{len(alive)} node(s) alive with {ray.available_resources()} free"
+                ) from None
+
+    def _remove_placement_group(self) -> None:
+        if self._pg is not None:
+            with contextlib.suppress(Exception):  # the cluster may be gone at exit
+                remove_placement_group(self._pg)
+            self._pg = None
+
+    def _init_workers(self) -> int:
+        init_method = ray.get(self.workers[0][0].rendezvous_address.remote(),
+                              timeout=STARTUP_TIMEOUT_S)
+        self.gather([w.init_distributed.remote(init_method) for w in self.all_workers])
+        self.load_info = self.gather([w.load_model.remote() for w in self.all_workers])
+        num_blocks = min(self.gather([w.available_kv_blocks.remote() for w in self.all_workers]))
+        need = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"KV cache budget holds {num_blocks} blocks but one max_model_len "
+                f"({self.config.model.max_model_len}) sequence needs {need}: raise the KV "
+                "memory budget or lower max_model_len"
+            )
+        self.gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
+        return num_blocks
+
+    @staticmethod
+    def gather(refs: list[Any], timeout: float = STARTUP_TIMEOUT_S) -> list[Any]:
+        return ray.get(refs, timeout=timeout)
+
+    # -- liveness ----------------------------------------------------------------------
+    def dead_stages(self, timeout: float = PING_TIMEOUT_S) -> list[str]:
+        """``"stage k (actor …) died: …"`` for every worker Ray reports dead within
+        ``timeout`` seconds (all pinged at once); a slow answer is not a death."""
+        workers = self.all_workers
+        refs = [w.ping.remote() for w in workers]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        dead = []
+        for index, ref in enumerate(refs):
+            if ref not in done:
+                continue  # busy or slow, not known dead: the step timeout bounds the wait
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as e:
+                dead.append(f"{self.name(index)} died: {type(e).__name__}: {first_line(e)}")
+            except Exception:  # noqa: BLE001 - the cluster going away is not a stage death
+                continue
+        return dead
+
+    def call_all(self, method: str, timeout: float, *args: Any) -> list[Any]:
+        """``method(*args)`` on every worker, in rank order (raises on any failure)."""
+        return ray.get([getattr(w, method).remote(*args) for w in self.all_workers],
+                       timeout=timeout)
+
+    def log_stacks(self) -> None:
+        """Log every worker's thread stacks: where a stuck step waits."""
+        refs = [w.stacks.remote() for w in self.all_workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)  # 5 s for all of them
+        for index, ref in enumerate(refs):
+            try:
+                stacks = ray.get(ref, timeout=0) if ref in ready else "(no answer within 5 s)"
+            except Exception as e:  # noqa: BLE001 - a report, not a requirement
+                stacks = f"(unavailable: {first_line(e)})"
+            logger.error("stuck step: stacks of %s:\n%s", self.name(index), stacks)
+
+    # -- teardown ------------------------------------------------------------------------
+    def kill(self) -> None:
+        """Kill the workers and free the placement group (idempotent)."""
+        for worker in self.all_workers:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(worker, no_restart=True)
+        self.workers.clear()
+        self._remove_placement_group()

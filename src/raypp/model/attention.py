@@ -1,0 +1,155 @@
+"""Attention over the paged KV cache, with its backend chosen once when the model is built.
+
+:class:`PagedAttention` takes a layer's fused qkv projection and does the rest of
+attention: rotary on q and k, the KV-cache store, and attention of each query over
+its sequence's cached context. Two backends compute the same function:
+
+- ``"torch"`` (any device; the CPU path): plain PyTorch, SDPA over gathered blocks.
+- ``"triton"`` (CUDA): :mod:`raypp.kernels` — one fused launch for decode-only
+  steps (rotary + store + split-context attention, capturable in CUDA graphs), the
+  Triton store and decode kernels plus SDPA for steps with prefill rows.
+
+:func:`attention_backend` picks one from the device; a layer never checks the
+device in ``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raypp.model.layers import RotaryEmbedding
+
+BACKENDS = ("torch", "triton")
+
+
+def attention_backend(device: torch.device) -> str:
+    """``"triton"`` on a CUDA device, ``"torch"`` elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live in the paged cache; built once per step.
+
+    ``slot_mapping[i]`` is token i's flat cache slot (negative: not stored, e.g. a
+    CUDA-graph padding row); sequence j owns query tokens
+    ``query_start[j]:query_start[j+1]`` and has ``seq_lens[j]`` tokens in context
+    (those cached earlier plus this step's). Decode-only steps on a graph read the
+    tensors alone (their Python lists may be empty).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    decode_only: bool
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64
+
+
+class PagedAttention(nn.Module):
+    """Rotary, KV store and attention of one layer, from its qkv projection.
+
+    Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``forward`` returns ``[tokens, num_heads * head_dim]``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, backend: str, scale: float | None = None):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = head_dim**-0.5 if scale is None else scale
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
+        if self.backend == "triton" and meta.decode_only:
+            from raypp.kernels.decode_attention import rope_decode_attention_op
+
+            return rope_decode_attention_op(
+                qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale)
+        q, k, v = self.split_heads(qkv)
+        q, k = self.rotary(positions, q, k)
+        if self.backend == "triton":
+            from raypp.kernels.attention import paged_attention
+
+            return paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self._torch_attention(q, k, v, kv_cache, meta)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [tokens, heads, dim]``, ``k`` and ``v [tokens, kv_heads, dim]`` (views)."""
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),
+                k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    # -- the torch backend ----------------------------------------------------------------
+    def _torch_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] → out: [tokens, heads * dim]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        block_size = key_cache.shape[1]
+        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_only:
+            out = self._decode(q, key_cache, value_cache, meta, block_size)
+        else:
+            out = self._varlen(q, key_cache, value_cache, meta, block_size)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        # One query token per sequence: gather each sequence's blocks, mask the padding.
+        num_seqs, max_blocks = meta.block_tables.shape
+        length = max_blocks * block_size
+        keys = key_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
+        values = value_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
+        mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens_tensor[:, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [seqs, heads, 1, dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out[:, :, 0, :]
+
+    def _varlen(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        outs = []
+        for j, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start[j], meta.query_start[j + 1]
+            num_blocks = -(-seq_len // block_size)
+            table = meta.block_tables[j, :num_blocks]
+            keys = key_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            values = value_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            outs.append(self._causal(q[start:end], keys, values, seq_len))
+        return torch.cat(outs, dim=0)
+
+    def _causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                seq_len: int) -> torch.Tensor:
+        # q: [q_len, heads, dim] are the last q_len positions of a seq_len context.
+        q_len = q.shape[0]
+        gqa = self.num_heads != self.num_kv_heads
+        if q_len == seq_len:
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,64 @@
+"""What every model family's stage model provides, so the worker, the loader and the
+CUDA graphs treat families alike (a new family is its own module plus a line in
+:mod:`raypp.model.registry`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which global layers ``[start, end)`` a stage owns, and its ends."""
+
+    start: int
+    end: int
+    is_first: bool
+    is_last: bool
+
+
+class StageModel(nn.Module):
+    """One pipeline stage of a decoder-only model: only its layers exist.
+
+    A family subclass builds ``self.model.layers`` (a ``ModuleDict`` keyed by the
+    global layer index, each with a ``self_attn`` exposing ``num_kv_heads`` and
+    ``head_dim``), the embedding on the first stage and the final norm and LM head on
+    the last, and implements:
+
+    - ``forward(positions, meta, kv_caches, input_ids=None, hidden_states=None,
+      residual=None) -> (hidden, residual or None)``: token ids on the first stage,
+      the previous stage's pair otherwise; the last stage returns final normalized
+      hidden states and ``None``;
+    - :meth:`compute_logits` and :meth:`checkpoint_names`;
+    - optionally a fused decode chain for CUDA graphs of small decode batches
+      (:meth:`fused_decode_unsupported` returning ``None``, and
+      ``fused_decode_forward``, whose arguments are those of
+      :func:`raypp.worker.cuda_graphs.decode_forward` after the model).
+    """
+
+    stage: StageSpec
+    fused_decode_max_rows: int = 0  # the largest batch fused_decode_forward serves
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype (the sampler upcasts where it needs to)."""
+        return self.lm_head.logits(hidden)
+
+    def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
+        """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
+        raise NotImplementedError
+
+    def kv_cache_layout(self) -> tuple[int, int]:
+        """``(kv heads on this worker, head_dim)`` of every layer of this stage."""
+        attn = next(iter(self.model.layers.values())).self_attn
+        return attn.num_kv_heads, attn.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.stage.end - self.stage.start
+
+    def fused_decode_unsupported(self) -> str | None:
+        """Why this stage has no fused decode chain (``None``: it has one)."""
+        return f"{type(self).__name__} declares no fused decode chain"

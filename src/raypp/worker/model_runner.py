@@ -1,0 +1,154 @@
+"""One stage's per-step compute: prepare inputs → eager or graph forward → (last stage)
+logits → sample, and multi-step decode rounds.
+
+:meth:`ModelRunner.execute` is the whole of a step on a stage; it does not know which
+control plane drives it. A stage that is not last returns a
+:class:`~raypp.step.StageHandoff`; the last stage returns a
+:class:`~raypp.step.StepOutput` of plain lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raypp.model.attention import AttentionMetadata
+from raypp.model.base import StageModel
+from raypp.step import StageHandoff, StepInput, StepOutput
+from raypp.worker.cuda_graphs import DecodeGraphs
+from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
+from raypp.worker.sampler import SamplingTensors, sample
+
+
+class ModelRunner:
+    """Runs micro-batches through one stage's model and KV cache.
+
+    ``graphs`` (CUDA) replays captured decode graphs where a step fits them; every
+    other step runs the eager forward. Holds the last decode round's sampled tokens
+    on the device, for a round that ``continues`` it (asynchronous scheduling).
+    """
+
+    def __init__(self, model: StageModel, kv_caches: list[torch.Tensor],
+                 graphs: DecodeGraphs | None, device: torch.device, block_size: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.graphs = graphs
+        self.device = device
+        self.block_size = block_size
+        # (step id, its last sampled ids on the device) of the latest decode round
+        self._last_round: tuple[int, torch.Tensor] | None = None
+
+    def execute(self, step: StepInput, handoff: StageHandoff | None
+                ) -> StageHandoff | StepOutput:
+        """Run ``step`` (``handoff``: the previous stage's, ``None`` on the first stage)."""
+        previous, self._last_round = self._last_round, None  # only the next step may continue it
+        if not self.model.stage.is_last:
+            hidden, residual = self._forward(step, handoff)
+            return StageHandoff.pack(step, hidden, residual)
+        if step.num_steps > 1 or step.continues is not None:
+            return self._decode_steps(step, previous)
+        return self._sample(step, self._logits(step, handoff))
+
+    # -- one step -------------------------------------------------------------------------
+    def _forward(self, step: StepInput, handoff: StageHandoff | None):
+        """``(hidden, residual)`` of every token of ``step`` on a stage that is not last."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(step):  # CUDA decode: replay a captured graph
+            return graphs.run(step, handoff)
+        return self._eager_forward(step, handoff)
+
+    def _eager_forward(self, step: StepInput, handoff: StageHandoff | None):
+        dev = self.device
+        positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
+        meta = attention_metadata(step, dev)
+        if self.model.stage.is_first:
+            ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
+            return self.model(positions, meta, self.kv_caches, input_ids=ids)
+        if handoff is None:
+            raise ValueError(f"step {step.step_id}: a stage after the first needs the previous "
+                             "stage's hand-off")
+        return self.model(positions, meta, self.kv_caches, hidden_states=handoff.hidden_states,
+                          residual=handoff.residual)
+
+    def _logits(self, step: StepInput, handoff: StageHandoff | None) -> torch.Tensor | None:
+        """Run the last stage on ``step``: logits of its sampled rows (``None`` if none)."""
+        rows = step.sample_rows
+        picked = torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(step):
+            logits = graphs.run(step, handoff)  # every row's, computed inside the graph
+            if len(rows) == step.num_seqs:  # a decode step samples every row, in order
+                return logits
+            return None if picked is None else logits.index_select(0, picked)
+        hidden, _ = self._eager_forward(step, handoff)
+        return None if picked is None else self.model.compute_logits(hidden.index_select(0, picked))
+
+    @staticmethod
+    def _sample(step: StepInput, logits: torch.Tensor | None) -> StepOutput:
+        if logits is None:
+            return StepOutput(step.step_id, [], [])
+        tokens, logprobs = sample(logits, step.sampling)
+        return StepOutput(step.step_id, [[t] for t in tokens],
+                          [None if lp is None else [lp] for lp in logprobs])
+
+    # -- multi-step decode rounds ---------------------------------------------------------
+    def _decode_steps(self, step: StepInput, previous: tuple[int, torch.Tensor] | None
+                      ) -> StepOutput:
+        """``step.num_steps`` decode steps of a one-stage pipeline, in one call.
+
+        A step that ``continues`` a round takes its input ids from that round's last
+        tokens: ``previous``, the round this stage ran just before (else ``ValueError``).
+        """
+        if step.continues is not None and (previous is None or previous[0] != step.continues):
+            raise ValueError(f"step {step.step_id} continues step {step.continues}, but the "
+                             "latest decode round here is "
+                             f"{'none' if previous is None else previous[0]}")
+        graphs = self.graphs
+        forward: Any
+        if graphs is not None and graphs.can_run(step):
+            inputs = graphs.load(step)
+            forward = graphs.replay
+        else:
+            inputs = DecodeInputs.from_step(step, self.device)
+            meta = inputs.metadata()
+
+            def forward() -> torch.Tensor:
+                hidden, _ = self.model(inputs.positions, meta, self.kv_caches,
+                                       input_ids=inputs.input_ids)
+                return self.model.compute_logits(hidden)
+
+        if step.continues is not None:
+            assert previous is not None
+            _feed_last_tokens(inputs.input_ids, previous[1], step.continue_rows)
+        assert step.sampling is not None
+        run = run_decode_steps(
+            forward, inputs, SamplingTensors.build(step.sampling, self.device), step.num_steps,
+            self.block_size)
+        self._last_round = (step.step_id, run.last_tokens)
+        return StepOutput(step.step_id, run.token_ids, run.logprobs)
+
+
+def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[int]) -> None:
+    """``input_ids[r] = last[rows[r]]``, on the device (no host sync)."""
+    if rows == list(range(len(rows))):
+        input_ids.copy_(last[: len(rows)])
+    else:
+        index = torch.tensor(rows, dtype=torch.int64).to(last.device, non_blocking=True)
+        torch.index_select(last, 0, index, out=input_ids)
+
+
+def attention_metadata(step: StepInput, device: torch.device) -> AttentionMetadata:
+    """The attention metadata of an eager forward over ``step``."""
+    width = max(len(t) for t in step.block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables],
+                          dtype=torch.int64, device=device)
+    query_lens = [b - a for a, b in zip(step.query_start, step.query_start[1:])]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
+        query_start=step.query_start,
+        seq_lens=step.seq_lens,
+        block_tables=tables,
+        decode_only=all(q == 1 for q in query_lens),
+        seq_lens_tensor=torch.tensor(step.seq_lens, dtype=torch.int64, device=device),
+    )

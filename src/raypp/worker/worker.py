@@ -1,0 +1,233 @@
+"""The stage worker: one process per (pp_rank, tp_rank), run as a Ray actor.
+
+It owns the device, this stage's model shard and KV cache, and its process groups.
+Set-up runs in the order the stage pool calls it: :meth:`StageWorker.rendezvous_address`
+(rank 0) → :meth:`~StageWorker.init_distributed` → :meth:`~StageWorker.load_model` →
+:meth:`~StageWorker.available_kv_blocks` → :meth:`~StageWorker.init_kv_cache`.
+:meth:`~StageWorker.execute_step` is the whole per-step compute of a stage (a
+:class:`~raypp.worker.model_runner.ModelRunner` does it); it does not know which
+control plane drives it. Everything the worker does is set by the
+:class:`~raypp.config.EngineConfig` it is built with; it reads no environment variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from raypp.config import EngineConfig
+from raypp.distributed import parallel_state, ray_compat
+from raypp.distributed.communicator import drain_comm_trace
+from raypp.distributed.parallel_state import RankLayout
+from raypp.distributed.ports import free_port
+from raypp.errors import StageError
+from raypp.model.attention import attention_backend
+from raypp.model.base import StageSpec
+from raypp.model.layers import TPContext
+from raypp.model.loader import load_stage_weights
+from raypp.model.registry import model_class
+from raypp.step import StageHandoff, StepInput, StepOutput
+from raypp.worker.faults import FaultInjector
+from raypp.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class StageWorker:
+    """Everything one pipeline stage (one TP rank of it) does."""
+
+    def __init__(self, config: EngineConfig, pp_rank: int, tp_rank: int):
+        self.config = config
+        self.layout = RankLayout(config.parallel.tensor_parallel_size,
+                                 config.parallel.pipeline_parallel_size)
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.rank = self.layout.rank(pp_rank, tp_rank)
+        self.device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
+            torch.set_num_threads(threads)
+        ray_compat.apply(on_cpu=self.device.type == "cpu")
+        start, end = config.stage_layers()[pp_rank]
+        self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
+        self.model: Any = None
+        self.runner: ModelRunner | None = None  # made in init_kv_cache
+        self.timeline: list[tuple[int, float, float]] = []
+        self._fault = FaultInjector.for_stage(config.runtime.fault_inject, pp_rank)
+        self._direct_loop: Any = None
+
+    # -- set-up ----------------------------------------------------------------------
+    def rendezvous_address(self) -> str:
+        """A ``tcp://ip:port`` on this node with a port free right now (rank 0 only)."""
+        ip = _node_ip()
+        return f"tcp://{ip}:{free_port(ip)}"
+
+    def init_distributed(self, init_method: str) -> None:
+        rc, pc = self.config.runtime, self.config.parallel
+        parallel_state.init_distributed(self.layout, self.rank, init_method, self.device,
+                                        rc.dist_timeout_s, use_local_pipes=pc.cpu_p2p == "auto")
+        parallel_state.get_pp_group().instrument(
+            trace=rc.trace_comm,
+            after_send=self._fault.after_send if self._fault.delays_sends else None)
+
+    def load_model(self) -> dict[str, Any]:
+        """Build only this stage's layers on the device and load their weights."""
+        mc = self.config.model
+        tp_group = parallel_state.get_tp_group()
+        tp = TPContext(tp_group.rank_in_group, tp_group.world_size,
+                       tp_group if tp_group.world_size > 1 else None)
+        torch.manual_seed(mc.seed)
+        with torch.device(self.device):
+            self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
+                                                      mc.torch_dtype,
+                                                      attention_backend(self.device))
+        report = load_stage_weights(self.model, mc.model)
+        self.model.eval()
+        return {
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "layers": [self.stage.start, self.stage.end],
+            "checkpoint_tensors": report.names,
+            "bytes_read": report.bytes_read,
+            "param_shapes": {n: list(p.shape) for n, p in self.model.named_parameters()},
+        }
+
+    def kv_block_bytes(self) -> int:
+        kv_heads, head_dim = self.model.kv_cache_layout()
+        per_layer = 2 * self.config.cache.block_size * kv_heads * head_dim
+        return per_layer * self.model.num_layers * self.config.model.torch_dtype.itemsize
+
+    def available_kv_blocks(self) -> int:
+        """How many KV blocks of this stage's layers fit its memory budget."""
+        cache = self.config.cache
+        if cache.num_blocks_override:
+            return cache.num_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cache.gpu_memory_utilization) * total
+        else:
+            budget = cache.kv_cache_memory_bytes
+        return max(0, int(budget // self.kv_block_bytes()))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache and, on CUDA unless ``enforce_eager``, capture the
+        decode graphs; the worker is then ready to run steps."""
+        mc, rc = self.config.model, self.config.runtime
+        kv_heads, head_dim = self.model.kv_cache_layout()
+        shape = (2, num_blocks, self.config.cache.block_size, kv_heads, head_dim)
+        kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
+                     for _ in range(self.model.num_layers)]
+        graphs = None
+        if self.device.type == "cuda" and not rc.enforce_eager:
+            from raypp.worker.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(
+                self.model, kv_caches, is_first=self.stage.is_first, is_last=self.stage.is_last,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
+                hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
+                compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
+            ).capture()
+        self.runner = ModelRunner(self.model, kv_caches, graphs, self.device,
+                                  self.config.cache.block_size)
+
+    @property
+    def decode_graphs(self) -> Any:
+        """The captured decode graphs (``None`` on CPU or with ``enforce_eager``)."""
+        return None if self.runner is None else self.runner.graphs
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_step(self, payload: StepInput | StageHandoff) -> StageHandoff | StepOutput:
+        """Run this stage on one micro-batch: a :class:`StepInput` on the first stage,
+        the previous stage's :class:`StageHandoff` on the others.
+
+        Returns this stage's :class:`StageHandoff` for the next stage, or a
+        :class:`StepOutput` on the last stage. Errors are :class:`StageError` naming
+        the stage and the step.
+        """
+        handoff = payload if isinstance(payload, StageHandoff) else None
+        step = payload.step if handoff is not None else payload
+        started = time.time()
+        try:
+            self._fault.before_step(step.step_id)
+            out = self.runner.execute(step, handoff)
+        except Exception as e:  # noqa: BLE001 - re-raised with the stage named
+            raise StageError(f"stage {self.pp_rank} (tp rank {self.tp_rank}) failed at step "
+                             f"{step.step_id}: {type(e).__name__}: {e}") from e
+        if step.trace:
+            self.timeline.append((self.pp_rank, started, time.time()))
+        return out
+
+    # -- the direct control plane ------------------------------------------------------
+    def start_direct_loop(self, spec: Any) -> int:
+        """Start this worker's direct-plane loop (:mod:`raypp.worker.stage_loop`) on
+        threads of the actor; returns the actor's pid."""
+        from raypp.worker.stage_loop import StageLoop
+
+        if self.direct_loop_alive():
+            raise RuntimeError(f"worker {spec.index} already runs a direct-plane loop")
+        self._direct_loop = StageLoop(self, spec)
+        self._direct_loop.start()
+        return os.getpid()
+
+    def direct_loop_alive(self) -> bool:
+        return self._direct_loop is not None and self._direct_loop.alive()
+
+    # -- introspection for tests and operators -----------------------------------------
+    def comm_stats(self) -> dict[str, Any]:
+        pp = parallel_state.get_pp_group()
+        stats = pp.device_communicator.stats
+        return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "sends": stats.sends,
+                "recvs": stats.recvs,
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
+
+    def channel_communicators(self) -> list[str]:
+        """Type names of the communicators Ray's channels use in this actor."""
+        from ray.experimental.channel import ChannelContext
+
+        return [type(c).__name__ for c in ChannelContext.get_current().communicators.values()]
+
+    def traced_intervals(self) -> list[tuple[int, float, float]]:
+        out, self.timeline = list(self.timeline), []
+        return out
+
+    def drain_comm_trace(self) -> list[tuple[str, int, float, float, int]]:
+        """This stage's traced PP send/recv intervals since the last call (``trace_comm``)."""
+        return drain_comm_trace()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in this stage (what a stuck step is waiting on)."""
+        import sys
+        import threading
+        import traceback
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                         for ident, frame in sys._current_frames().items())
+
+    def node_id(self) -> str:
+        """The Ray node this stage runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def shutdown(self) -> None:
+        parallel_state.destroy_distributed()
+
+
+def _node_ip() -> str:
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "127.0.0.1"
