@@ -131,6 +131,10 @@ class ParallelConfig:
     even split; ``use_ray_wrapped_pp_comm=False`` makes the compiled graph carry PP
     tensors over Ray's own transport instead of :class:`RayPPCommunicator`;
     ``cpu_p2p`` picks the CPU groups' same-host transport (``"auto"`` or ``"gloo"``).
+    ``workers_per_gpu`` (CUDA) lets that many workers share one GPU: each asks Ray for
+    its fraction of a GPU and sizes its KV cache from its share of the memory, and
+    edges between workers on one GPU are staged through host memory (every pp and
+    tp × pp layout then runs on one GPU; see :mod:`raypp.distributed.communicator`).
     """
 
     pipeline_parallel_size: int = 1
@@ -141,6 +145,7 @@ class ParallelConfig:
     use_ray_wrapped_pp_comm: bool | None = None
     placement_strategy: str | None = None
     cpu_p2p: str | None = None
+    workers_per_gpu: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -161,10 +166,19 @@ class ParallelConfig:
         self.placement_strategy = strategy
         self.cpu_p2p = (self.cpu_p2p or envs.RAYPP_CPU_P2P).strip().lower()
         _check_choice("cpu_p2p", self.cpu_p2p, ("auto", "gloo"))
+        if self.workers_per_gpu is None:
+            self.workers_per_gpu = envs.RAYPP_WORKERS_PER_GPU
+        if not (isinstance(self.workers_per_gpu, int) and self.workers_per_gpu >= 1):
+            raise ValueError(f"workers_per_gpu must be an integer >= 1, got {self.workers_per_gpu!r}")
 
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def gpus_per_worker(self) -> float:
+        """The fraction of a GPU each worker asks Ray for (CUDA)."""
+        return 1.0 / self.workers_per_gpu
 
 
 @dataclass
@@ -293,6 +307,15 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check_choice("device", self.device, ("cpu", "cuda"))
+        pc = self.parallel
+        if self.device == "cpu" and pc.workers_per_gpu != 1:
+            raise ValueError(f"workers_per_gpu={pc.workers_per_gpu} places workers "
+                             "on GPUs; it applies to device='cuda' only")
+        if (pc.workers_per_gpu > 1 and pc.pipeline_parallel_size > 1 and pc.control_plane == "cgraph"
+                and not pc.use_ray_wrapped_pp_comm):
+            raise ValueError("use_ray_wrapped_pp_comm=False makes Ray carry PP tensors over its own "
+                             "NCCL communicator, which refuses two workers on one GPU; keep "
+                             "RayPPCommunicator (the default) with workers_per_gpu > 1")
         if self.runtime.driver_wait == "auto":  # spinning costs a core, which a CPU host lacks
             self.runtime.driver_wait = "spin" if self.device == "cuda" else "poll"
         if self.scheduler.max_inflight is None:

@@ -50,6 +50,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "compiled graph; 'direct' runs a loop in each stage that takes step descriptors "
         "from a ZeroMQ queue and moves tensors with the PP group's send/recv.",
     ),
+    "RAYPP_WORKERS_PER_GPU": (
+        _int("RAYPP_WORKERS_PER_GPU", "1"),
+        "Stage workers that may share one GPU (CUDA): each asks Ray for 1/N of a GPU and "
+        "sizes its KV cache from its share of the memory; edges between workers on the "
+        "same GPU are staged through host memory. 1 (default): a GPU per worker.",
+    ),
     "RAYPP_PP_LAYER_PARTITION": (
         _str("RAYPP_PP_LAYER_PARTITION", None),
         'Explicit layers per stage, e.g. "3,2,2"; must sum to the model\'s layer count.',

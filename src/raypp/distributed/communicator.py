@@ -5,6 +5,18 @@ device group (NCCL on CUDA, gloo on CPU) that moves tensors, and a gloo CPU grou
 that moves small pickled metadata. Everything that moves tensors between ranks
 in raypp goes through a ``GroupCoordinator``; ranks passed to its methods are
 ranks *within the group*.
+
+Each point-to-point edge takes the transport that works between where its two ranks
+are, chosen once when the group is built (:meth:`DeviceCommunicator.transport`):
+
+- ``"nccl"``: CUDA ranks on different GPUs;
+- ``"host-staged"``: CUDA ranks on the *same* GPU (NCCL refuses two ranks on one
+  device): the tensor is copied into a shared-memory slot of the group's same-host
+  pipes (:mod:`raypp.distributed.local_pipes`) and from there onto the device;
+- ``"shm-pipe"``: CPU ranks on the same host; ``"gloo"``: CPU ranks on other hosts.
+
+Collectives of a CUDA group whose ranks share a GPU (tensor parallelism on one GPU)
+are staged through host memory over the gloo CPU group (not capturable in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -48,21 +60,24 @@ class TrafficStats:
 
 
 class DeviceCommunicator:
-    """Tensor transfers over a group's device process group.
+    """Tensor transfers over a group's device process group (and its same-host pipes).
 
-    ``send`` returns once the tensor may be reused by the caller (gloo copies
-    synchronously; NCCL enqueues on the current stream). ``recv`` returns a new
+    ``send`` returns once the tensor may be reused by the caller (gloo and the pipes
+    copy synchronously; NCCL enqueues on the current stream). ``recv`` returns a new
     tensor whose contents are valid on the current stream. A dead peer surfaces
-    as ``RuntimeError`` from ``torch.distributed`` at the latest when the group's
-    timeout expires.
+    as ``RuntimeError`` at the latest when the group's timeout expires.
     """
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], device: torch.device,
-                 pipes: LocalPipes | None = None):
+                 pipes: LocalPipes | None = None, cpu_group: dist.ProcessGroup | None = None,
+                 host_staged_collectives: bool = False):
         self.group = group
         self.ranks = ranks
         self.device = device
-        self.pipes = pipes  # CPU only: same-host peers over Unix sockets, others over gloo
+        # peers that share this rank's host (CPU) or GPU (CUDA): shared-memory pipes
+        self.pipes = pipes
+        self.cpu_group = cpu_group
+        self.host_staged_collectives = host_staged_collectives
         self.stats = TrafficStats()
         self.trace: deque[CommEvent] | None = None  # see GroupCoordinator.instrument
         self.after_send: Callable[[], None] | None = None
@@ -96,14 +111,27 @@ class DeviceCommunicator:
             self.trace.append(("recv", src, started, time.time(), nbytes))
         return tensor
 
+    def transport(self, peer: int) -> str:
+        """How tensors to and from ``peer`` (a rank in the group) travel."""
+        if self.pipes is not None and self.pipes.reaches(peer):
+            return "host-staged" if self.device.type == "cuda" else "shm-pipe"
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.host_staged_collectives:
+            host = tensor.cpu()
+            dist.all_reduce(host, group=self.cpu_group)
+            return tensor.copy_(host)
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in self.ranks]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        staged = self.host_staged_collectives
+        source = tensor.cpu() if staged else tensor.contiguous()
+        parts = [torch.empty_like(source) for _ in self.ranks]
+        dist.all_gather(parts, source, group=self.cpu_group if staged else self.group)
+        out = torch.cat(parts, dim=dim)
+        return out.to(tensor.device) if staged else out
 
 
 class GroupCoordinator:
@@ -124,19 +152,41 @@ class GroupCoordinator:
         self.rank_in_group = self.ranks.index(self.rank)
         self.device_group = device_group
         self.cpu_group = cpu_group
-        pipes = (self._local_pipes(timeout_s)
-                 if device.type == "cpu" and use_local_pipes else None)
-        self.device_communicator = DeviceCommunicator(device_group, self.ranks, device, pipes)
+        # where every rank of the group is: its host (CPU) or its host and GPU (CUDA)
+        self.localities = self.all_gather_object(_locality(device))
+        me = self.localities[self.rank_in_group]
+        shares_device = device.type == "cuda" and self.localities.count(me) > 1
+        pipes = None
+        if (shares_device or (device.type == "cpu" and use_local_pipes)) and self.world_size > 1:
+            pipes = self._local_pipes(timeout_s)
+        self.device_communicator = DeviceCommunicator(
+            device_group, self.ranks, device, pipes, cpu_group,
+            host_staged_collectives=len(set(self.localities)) < self.world_size
+            and device.type == "cuda")
 
     def _local_pipes(self, timeout_s: float) -> LocalPipes | None:
-        """Collectively set up Unix-socket pipes to same-host peers (CPU groups only)."""
-        if self.world_size == 1 or not local_pipes.supported():
+        """Collectively set up shared-memory pipes to the peers of the same locality."""
+        if not local_pipes.supported():
+            if any(self.localities.count(loc) > 1 for loc in self.localities):
+                raise RuntimeError("ranks of one GPU need shared-memory pipes, which this "
+                                   "platform lacks (Unix sockets and /dev/shm)")
             return None
         pipes = LocalPipes(self.rank_in_group, timeout_s)
-        me = (local_pipes.host_id(), pipes.address)
-        everyone = self.all_gather_object(me)
-        pipes.connect_peers({r: addr for r, (host, addr) in enumerate(everyone) if host == me[0]})
+        addresses = self.all_gather_object(pipes.address)
+        me = self.localities[self.rank_in_group]
+        pipes.connect_peers({r: addresses[r] for r, loc in enumerate(self.localities)
+                             if loc == me})
         return pipes
+
+    @property
+    def shares_device(self) -> bool:
+        """True when two ranks of this CUDA group share one GPU."""
+        return self.device_communicator.host_staged_collectives
+
+    def transports(self) -> dict[int, str]:
+        """Peer rank in the group → how tensors to it travel (see the module docstring)."""
+        return {peer: self.device_communicator.transport(peer)
+                for peer in range(self.world_size) if peer != self.rank_in_group}
 
     @classmethod
     def build(cls, name: str, ranks: list[int], device: torch.device,
@@ -248,6 +298,14 @@ class GroupCoordinator:
         for group in (self.device_group, self.cpu_group):
             with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
                 dist.destroy_process_group(group)
+
+
+def _locality(device: torch.device) -> str:
+    """Equal for exactly the ranks that may share memory: the host, and the GPU on CUDA."""
+    host = local_pipes.host_id()
+    if device.type != "cuda":
+        return host
+    return f"{host}/gpu-{torch.cuda.get_device_properties(device).uuid}"
 
 
 @dataclass(frozen=True)

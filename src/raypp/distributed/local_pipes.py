@@ -12,6 +12,10 @@ byte that frees the slot. With two slots the sender runs one message ahead of
 the receiver. A message larger than the slots makes the sender drain its acks
 and switch to a larger segment, whose name travels in the header.
 
+The same pipes carry CUDA tensors between ranks that share one GPU (NCCL refuses
+two ranks on a device): the sender copies device memory into the slot, the receiver
+copies the slot into its device tensor — staged through host memory, one copy each way.
+
 Sockets live in Linux's abstract namespace and segments in /dev/shm under random
 names; the receiver unlinks a segment as soon as it mapped it, and a closing
 sender removes a name no receiver mapped. A name outlives its processes only if
@@ -90,6 +94,31 @@ class _Ring:
     def slot_array(self, slot: int, nbytes: int) -> np.ndarray:
         return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=slot * self.slot_bytes)
 
+    def write(self, slot: int, tensor: torch.Tensor) -> int:
+        """Copy a contiguous tensor (any device) into ``slot``; returns its bytes."""
+        if tensor.device.type == "cpu":
+            data = _bytes(tensor)
+            self.slot_array(slot, data.nbytes)[:] = data
+            return data.nbytes
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            self._slot_tensor(slot, nbytes).copy_(tensor.reshape(-1).view(torch.uint8))
+        return nbytes
+
+    def read(self, slot: int, tensor: torch.Tensor) -> None:
+        """Fill a contiguous tensor (any device) from ``slot``."""
+        if tensor.device.type == "cpu":
+            data = _bytes(tensor)
+            data[:] = self.slot_array(slot, data.nbytes)
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:  # from pageable memory: returns once the slot was read
+            tensor.reshape(-1).view(torch.uint8).copy_(self._slot_tensor(slot, nbytes))
+
+    def _slot_tensor(self, slot: int, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes,
+                                offset=slot * self.slot_bytes)
+
     def close(self) -> None:
         """Unmap; the sender also removes the name if no receiver ever mapped it."""
         with contextlib.suppress(BufferError, ValueError):
@@ -131,20 +160,21 @@ class LocalPipes:
         return peer in self._peers
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """``tensor`` (contiguous, on the CPU or a GPU) to ``dst``."""
         sock = self._out.get(dst) or self._connect(dst)
-        data = _bytes(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
         ring, new_name = self._out_rings.get(dst), b""
-        if ring is None or data.nbytes > ring.slot_bytes:
+        if ring is None or nbytes > ring.slot_bytes:
             if ring is not None:
                 self._wait_acks(sock, ring, dst, until=0)
                 ring.close()
-            ring, name = _Ring.create(data.nbytes)
+            ring, name = _Ring.create(nbytes)
             self._out_rings[dst], new_name = ring, name.encode()
         self._wait_acks(sock, ring, dst, until=_SLOTS - 1)
         slot = ring.next_slot
-        ring.slot_array(slot, data.nbytes)[:] = data
+        ring.write(slot, tensor)
         try:
-            sock.sendall(_HEADER.pack(self.rank, data.nbytes, slot, len(new_name)) + new_name)
+            sock.sendall(_HEADER.pack(self.rank, nbytes, slot, len(new_name)) + new_name)
         except OSError as e:
             raise RuntimeError(f"local pipe to rank {dst} failed: {e}") from e
         ring.next_slot = (slot + 1) % _SLOTS
@@ -157,9 +187,9 @@ class LocalPipes:
             ring.unacked -= len(acks)
 
     def recv_into(self, tensor: torch.Tensor, src: int) -> None:
-        data = _bytes(tensor)
-        sock, ring, slot = self._next_message(src, expect=data.nbytes)
-        data[:] = ring.slot_array(slot, data.nbytes)
+        """Fill ``tensor`` (contiguous, on the CPU or a GPU) with the next message from ``src``."""
+        sock, ring, slot = self._next_message(src, expect=tensor.numel() * tensor.element_size())
+        ring.read(slot, tensor)
         self._ack(sock, src)
 
     def send_bytes(self, payload: bytes, dst: int) -> None:

@@ -57,9 +57,10 @@ def init_distributed(
     pipes (:mod:`raypp.distributed.local_pipes`) instead of gloo.
     """
     global _WORLD, _TP, _PP
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # the default group only rendezvouses; each group makes its own device group, so two
+    # ranks sharing a GPU never build an NCCL communicator they cannot have
     dist.init_process_group(
-        backend=backend,
+        backend="gloo",
         init_method=init_method,
         rank=rank,
         world_size=layout.world_size,

@@ -90,15 +90,11 @@ class StagePool:
 
     def _create_actors(self) -> None:
         on_gpu = self.config.device == "cuda"
-        bundle = {"GPU": 1, "CPU": WORKER_CPUS} if on_gpu else {"CPU": WORKER_CPUS}
+        share = self.config.parallel.gpus_per_worker if on_gpu else 0
+        bundle = {"GPU": share, "CPU": WORKER_CPUS} if on_gpu else {"CPU": WORKER_CPUS}
         world = self.pp_size * self.tp_size
         if on_gpu:
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            if gpus < world:
-                raise ValueError(
-                    f"tensor_parallel_size × pipeline_parallel_size = {world} workers need "
-                    f"{world} GPUs, but the Ray cluster has {gpus}"
-                )
+            self._check_gpus(world)
         self._reserve_bundles([dict(bundle) for _ in range(world)])
         # Ray's own compiled-graph knobs, if the user set any, apply in the stages too
         env = {k: v for k, v in os.environ.items() if k.startswith("RAY_CGRAPH_")}
@@ -113,13 +109,26 @@ class StagePool:
                         name=f"raypp_worker_{pp_rank}_{tp_rank}",
                         namespace=self.namespace,
                         num_cpus=WORKER_CPUS,
-                        num_gpus=1 if on_gpu else 0,
+                        num_gpus=share,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             self._pg, placement_group_bundle_index=rank
                         ),
                         runtime_env={"env_vars": env},
                     ).remote(self.config, pp_rank, tp_rank)
                 )
+
+    def _check_gpus(self, world: int) -> None:
+        """``ValueError`` naming the numbers when the cluster has too few GPUs."""
+        per_gpu = self.config.parallel.workers_per_gpu
+        need = -(-world // per_gpu)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if gpus >= need:
+            return
+        hint = (f"; with fewer GPUs, let workers share one: workers_per_gpu={-(-world // gpus)}"
+                f" (--workers-per-gpu, RAYPP_WORKERS_PER_GPU)" if gpus else "")
+        raise ValueError(
+            f"tensor_parallel_size × pipeline_parallel_size = {world} workers at "
+            f"workers_per_gpu={per_gpu} need {need} GPUs, but the Ray cluster has {gpus}{hint}")
 
     def _reserve_bundles(self, bundles: list[dict[str, float]]) -> None:
         """Hold one placement-group bundle per worker, waiting up to the start-up timeout.
@@ -161,13 +170,16 @@ class StagePool:
                               timeout=STARTUP_TIMEOUT_S)
         self.gather([w.init_distributed.remote(init_method) for w in self.all_workers])
         self.load_info = self.gather([w.load_model.remote() for w in self.all_workers])
-        num_blocks = min(self.gather([w.available_kv_blocks.remote() for w in self.all_workers]))
+        budgets = self.gather([w.kv_budget.remote() for w in self.all_workers])
+        index = min(range(len(budgets)), key=lambda i: budgets[i].blocks)
+        num_blocks = budgets[index].blocks
         need = -(-self.config.model.max_model_len // self.config.cache.block_size)
         if num_blocks < need:
             raise ValueError(
                 f"KV cache budget holds {num_blocks} blocks but one max_model_len "
-                f"({self.config.model.max_model_len}) sequence needs {need}: raise the KV "
-                "memory budget or lower max_model_len"
+                f"({self.config.model.max_model_len}) sequence needs {need}: "
+                f"{self.name(index)}: {budgets[index].explain()}; raise the KV memory budget, "
+                "lower max_model_len, or give the workers more memory each"
             )
         self.gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
         return num_blocks

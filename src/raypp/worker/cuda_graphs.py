@@ -74,7 +74,8 @@ class StaticBuffers:
     @classmethod
     def allocate(cls, max_rows: int, width: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, is_first: bool) -> StaticBuffers:
-        host = torch.zeros(4 * max_rows + max_rows * width, dtype=torch.int64, pin_memory=True)
+        host = torch.zeros(4 * max_rows + max_rows * width, dtype=torch.int64,
+                           pin_memory=device.type == "cuda")  # CPU: the loader's tests
         ints = {name: torch.full((max_rows,), _PAD_VALUES[name], dtype=torch.int64,
                                  device=device) for name in _INT_FIELDS}
         tables = torch.zeros(max_rows, width, dtype=torch.int64, device=device)
@@ -261,5 +262,6 @@ class DecodeGraphs:
         for i, name in enumerate(_INT_FIELDS):
             getattr(b, name)[:g].copy_(host[i * m : i * m + g], non_blocking=True)
         b.block_tables[:g].copy_(host[4 * m : 4 * m + g * width].view(g, width), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        if b.input_ids.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()

@@ -3,7 +3,7 @@
 It owns the device, this stage's model shard and KV cache, and its process groups.
 Set-up runs in the order the stage pool calls it: :meth:`StageWorker.rendezvous_address`
 (rank 0) → :meth:`~StageWorker.init_distributed` → :meth:`~StageWorker.load_model` →
-:meth:`~StageWorker.available_kv_blocks` → :meth:`~StageWorker.init_kv_cache`.
+:meth:`~StageWorker.kv_budget` → :meth:`~StageWorker.init_kv_cache`.
 :meth:`~StageWorker.execute_step` is the whole per-step compute of a stage (a
 :class:`~raypp.worker.model_runner.ModelRunner` does it); it does not know which
 control plane drives it. Everything the worker does is set by the
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,21 @@ from raypp.worker.faults import FaultInjector
 from raypp.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How many KV blocks a worker can hold, and the numbers behind it."""
+
+    blocks: int
+    budget_bytes: int
+    block_bytes: int
+    source: str  # where the budget comes from, for error messages
+
+    def explain(self) -> str:
+        return (f"{self.budget_bytes / _GIB:.2f} GiB for the KV cache ({self.source}), "
+                f"{self.block_bytes} bytes per block")
 
 
 class StageWorker:
@@ -71,9 +87,15 @@ class StageWorker:
         rc, pc = self.config.runtime, self.config.parallel
         parallel_state.init_distributed(self.layout, self.rank, init_method, self.device,
                                         rc.dist_timeout_s, use_local_pipes=pc.cpu_p2p == "auto")
-        parallel_state.get_pp_group().instrument(
-            trace=rc.trace_comm,
-            after_send=self._fault.after_send if self._fault.delays_sends else None)
+        pp = parallel_state.get_pp_group()
+        pp.instrument(trace=rc.trace_comm,
+                      after_send=self._fault.after_send if self._fault.delays_sends else None)
+        if not pp.is_last_rank:  # each edge named once, by its sender
+            logger.info("stage %d (tp rank %d) → stage %d: %s", self.pp_rank, self.tp_rank,
+                        self.pp_rank + 1, pp.device_communicator.transport(pp.next_rank))
+        if parallel_state.get_tp_group().shares_device:
+            logger.info("stage %d: its %d TP ranks share a GPU: all-reduces staged through "
+                        "host memory", self.pp_rank, self.layout.tp_size)
 
     def load_model(self) -> dict[str, Any]:
         """Build only this stage's layers on the device and load their weights."""
@@ -102,17 +124,30 @@ class StageWorker:
         per_layer = 2 * self.config.cache.block_size * kv_heads * head_dim
         return per_layer * self.model.num_layers * self.config.model.torch_dtype.itemsize
 
-    def available_kv_blocks(self) -> int:
-        """How many KV blocks of this stage's layers fit its memory budget."""
+    def kv_budget(self) -> KVBudget:
+        """How many KV blocks of this stage's layers fit its memory budget.
+
+        On CUDA the workers of one GPU (every model loaded, no cache allocated yet)
+        split what ``gpu_memory_utilization`` leaves of the device evenly; on CPU each
+        worker takes ``kv_cache_memory_bytes``.
+        """
         cache = self.config.cache
+        block = self.kv_block_bytes()
         if cache.num_blocks_override:
-            return cache.num_blocks_override
+            n = cache.num_blocks_override
+            return KVBudget(n, n * block, block, "num_blocks_override")
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
+            world = parallel_state.get_world_group()
+            sharing = world.localities.count(world.localities[world.rank_in_group])
+            budget = (free - (1 - cache.gpu_memory_utilization) * total) / sharing
+            source = (f"{free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB, keeping "
+                      f"{1 - cache.gpu_memory_utilization:.0%} free, shared by {sharing} "
+                      "worker(s) on this GPU")
         else:
             budget = cache.kv_cache_memory_bytes
-        return max(0, int(budget // self.kv_block_bytes()))
+            source = "kv_cache_memory_bytes"
+        return KVBudget(max(0, int(budget // block)), max(0, int(budget)), block, source)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache and, on CUDA unless ``enforce_eager``, capture the
@@ -123,7 +158,11 @@ class StageWorker:
         kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
                      for _ in range(self.model.num_layers)]
         graphs = None
-        if self.device.type == "cuda" and not rc.enforce_eager:
+        if parallel_state.get_tp_group().shares_device and not rc.enforce_eager:
+            logger.warning("stage %d runs eagerly: its TP ranks share a GPU, and an all-reduce "
+                           "staged through host memory cannot be captured in a CUDA graph",
+                           self.pp_rank)
+        elif self.device.type == "cuda" and not rc.enforce_eager:
             from raypp.worker.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(
@@ -181,11 +220,14 @@ class StageWorker:
 
     # -- introspection for tests and operators -----------------------------------------
     def comm_stats(self) -> dict[str, Any]:
+        """This worker's PP traffic, and how each PP edge travels (``transports``: peer
+        PP rank → ``"nccl"``, ``"host-staged"``, ``"shm-pipe"`` or ``"gloo"``)."""
         pp = parallel_state.get_pp_group()
         stats = pp.device_communicator.stats
         return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "sends": stats.sends,
                 "recvs": stats.recvs,
-                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received}
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                "transports": pp.transports()}
 
     def channel_communicators(self) -> list[str]:
         """Type names of the communicators Ray's channels use in this actor."""
