@@ -43,6 +43,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how steps reach the stages (default: RAYPP_CONTROL_PLANE, cgraph)")
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="stage-worker replacements allowed in a rolling window (default 3)")
+    parser.add_argument("--layer-partition", type=_layer_partition, default=None,
+                        metavar="N,N,...",
+                        help='layers per stage, e.g. "3,2,2" (default: RAYPP_PP_LAYER_PARTITION, '
+                             "else an even split)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="never capture CUDA graphs (default: RAYPP_ENFORCE_EAGER, off)")
+    parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
+                        help="longest wait for one pipeline step before it counts as hung "
+                             "(default: RAYPP_STEP_TIMEOUT_S, 60)")
+
+
+def _layer_partition(text: str) -> list[int]:
+    from raypp.config import parse_partition
+
+    try:
+        return parse_partition(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,6 +84,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": args.async_scheduling,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "layer_partition": args.layer_partition,
+        "enforce_eager": args.enforce_eager,
+        "step_timeout_s": args.step_timeout_s,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
