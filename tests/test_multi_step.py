@@ -220,7 +220,7 @@ def test_async_scheduling_option():
     import argparse
 
     from raypp.config import SchedulerConfig
-    from raypp.entrypoints.cli import add_engine_args, engine_kwargs
+    from raypp.entrypoints.args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

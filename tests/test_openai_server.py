@@ -18,11 +18,14 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from raypp import LLM, SamplingParams
+from raypp import LLM, EngineDeadError, ErrorKind, RequestOutput, SamplingParams
 from raypp.bench.serve import ServeBenchConfig, serve_bench
-from raypp.engine.async_engine import AsyncLLMEngine
+from raypp.engine.async_engine import AsyncLLMEngine, GenerationError
 from raypp.entrypoints.cli import build_parser
-from raypp.entrypoints.openai_server import ServerConfig, ServerThread, build_app, run_server
+from raypp.entrypoints.openai.app import ServerConfig, build_app
+from raypp.entrypoints.openai.errors import generation_failure
+from raypp.entrypoints.openai.server import run_server
+from raypp.testing.server import ServerThread
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -381,6 +384,25 @@ def test_serve_command_line():
                                                                                "127.0.0.1")
     assert args.served_model_name == ["a", "b"] and args.func is run_server
     assert run_server(build_parser().parse_args(["serve"])) == 2  # no MODEL, no --demo
+
+
+@pytest.mark.parametrize("kind, message, status", [
+    (ErrorKind.STAGE_DIED, "boom", 503),
+    (ErrorKind.STEP_TIMEOUT, "boom", 503),
+    (ErrorKind.STAGE_ERROR, "stage_died: reads like a death, is not one", 500),
+    (None, "step_timeout: reads like a timeout, has no kind", 500),
+])
+def test_generation_errors_map_by_error_kind_not_message(kind, message, status):
+    out = RequestOutput("r", "p", [1], finished=True, error=message, error_kind=kind)
+    error = generation_failure(GenerationError(out))
+    assert error.status == status
+    assert error.type == ("service_unavailable" if status == 503 else "internal_server_error")
+
+
+def test_other_engine_failures_map_by_type():
+    assert (generation_failure(EngineDeadError("stopped")).status,
+            generation_failure(ValueError("prompt too long")).status,
+            generation_failure(RuntimeError("stage_died: text only")).status) == (503, 400, 500)
 
 
 def test_zz_health_turns_503_when_a_stage_dies(served):

@@ -147,7 +147,7 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
 def _make_llm(args: argparse.Namespace) -> Any:
     from raypp import LLM
     from raypp.bench.cluster import start_ray
-    from raypp.entrypoints.cli import engine_kwargs, resolve_model
+    from raypp.entrypoints.args import engine_kwargs, resolve_model
 
     start_ray(args.ray_address)
     if not args.timeline:
@@ -384,7 +384,7 @@ def _print_summary(r: dict[str, Any]) -> None:
 # -- options --------------------------------------------------------------------------------
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     """Model, workload and output options shared by ``throughput`` and ``latency``."""
-    from raypp.entrypoints.cli import add_engine_args
+    from raypp.entrypoints.args import add_engine_args
 
     parser.add_argument("--model", default=None, help="Hugging Face–format model directory")
     parser.add_argument("--demo", action="store_true", help="use the bundled demo model")

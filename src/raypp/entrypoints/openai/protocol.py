@@ -11,7 +11,7 @@ which the ``openai`` client sends through ``extra_body``.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -272,7 +272,3 @@ class ErrorInfo(_Open):
 class ErrorResponse(_Open):
     error: ErrorInfo
 
-
-def dump(model: BaseModel, **kwargs: Any) -> str:
-    """Compact JSON of a response model (the server's one serialization path)."""
-    return model.model_dump_json(**kwargs)

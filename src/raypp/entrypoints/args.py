@@ -1,0 +1,101 @@
+"""Engine options shared by every command that starts an engine (generate, serve, bench).
+
+What callers may rely on: :func:`engine_kwargs` returns keyword arguments that
+``LLM(model, **kwargs)`` (and ``AsyncLLMEngine.from_model``) accept; an option
+not given on the command line is left out, so its ``RAYPP_*`` default applies.
+Importing this module does not import torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that starts an engine."""
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="number of pipeline stages (Ray actors)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="tensor-parallel ranks per stage")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (the checkpoint's), float32, bfloat16 or float16")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output (default: max_position_embeddings)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-inflight", type=int, default=None,
+                        help="micro-batches in the pipeline at once (default: pp)")
+    parser.add_argument("--num-decode-steps", type=int, default=None,
+                        help="decode steps per round trip to the stage for pure decode "
+                             "batches (pp=1 only; default 1)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="submit a decode batch's next multi-step round "
+                        "before reading the current one (pp=1; default on)")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="KV cache bytes per stage on CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--control-plane", default=None, choices=["cgraph", "direct"],
+                        help="how steps reach the stages (default: RAYPP_CONTROL_PLANE, cgraph)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="stage-worker replacements allowed in a rolling window (default 3)")
+    parser.add_argument("--layer-partition", type=_layer_partition, default=None,
+                        metavar="N,N,...",
+                        help='layers per stage, e.g. "3,2,2" (default: RAYPP_PP_LAYER_PARTITION, '
+                             "else an even split)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="never capture CUDA graphs (default: RAYPP_ENFORCE_EAGER, off)")
+    parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
+                        help="longest wait for one pipeline step before it counts as hung "
+                             "(default: RAYPP_STEP_TIMEOUT_S, 60)")
+
+
+def _layer_partition(text: str) -> list[int]:
+    from raypp.config import parse_partition
+
+    try:
+        return parse_partition(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from parsed :func:`add_engine_args` options."""
+    kwargs: dict[str, Any] = dict(
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        ray_address=args.ray_address,
+        device=args.device,
+        control_plane=args.control_plane,
+        max_restarts=args.max_restarts,
+    )
+    optional = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_inflight": args.max_inflight,
+        "num_decode_steps": args.num_decode_steps,
+        "async_scheduling": args.async_scheduling,
+        "kv_cache_memory_bytes": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "layer_partition": args.layer_partition,
+        "enforce_eager": args.enforce_eager,
+        "step_timeout_s": args.step_timeout_s,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def resolve_model(model: str | None, demo: bool) -> str:
+    """The model directory: ``model``, or the bundled demo model with ``demo`` or none given."""
+    if demo or model is None:
+        from raypp.testing import DEMO_MODEL_DIR
+
+        return str(DEMO_MODEL_DIR)
+    return model

@@ -1,0 +1,59 @@
+"""``raypp serve MODEL -pp N``: the OpenAI-compatible server as a command.
+
+What callers may rely on: :func:`run_server` starts the engine, serves until
+interrupted (uvicorn), then shuts the engine down; it returns 2 without MODEL
+or ``--demo``. The API key is ``--api-key``, else ``RAYPP_API_KEY``, else none:
+this command is the one place the server's own configuration reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from raypp import envs
+from raypp.engine.async_engine import AsyncLLMEngine
+from raypp.entrypoints.args import add_engine_args, engine_kwargs, resolve_model
+from raypp.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """``raypp serve [MODEL] [--demo] …`` (called by the CLI)."""
+    parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face–format model directory")
+    parser.add_argument("--demo", action="store_true", help="serve the bundled demo model")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* "
+                             "(default: RAYPP_API_KEY, else no key)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use (default: the MODEL argument)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="larger request bodies get 413")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_server)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine, serve until interrupted, then shut the engine down."""
+    import uvicorn
+
+    if args.model is None and not args.demo:
+        print("raypp serve: give a MODEL directory or --demo", flush=True)
+        return 2
+    model = resolve_model(args.model, args.demo)
+    names = args.served_model_name or [args.model or "raypp-demo"]
+    engine = AsyncLLMEngine.from_model(model, collect_stage_times=True, **engine_kwargs(args))
+    try:
+        config = ServerConfig(names, model, args.api_key or envs.RAYPP_API_KEY,
+                              args.max_request_bytes)
+        uvicorn.run(build_app(engine, config), host=args.host, port=args.port,
+                    log_level=args.log_level, access_log=args.access_log)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,266 @@
+"""The ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` handlers.
+
+What callers may rely on:
+
+- A request is validated completely (model name, sampling options, every
+  prompt) before any of it reaches the engine; a problem raises a 4xx
+  :class:`~raypp.entrypoints.openai.errors.APIError` naming the field.
+- Each prompt becomes one engine request (``n`` completions each); choice
+  ``index`` is ``prompt_index * n + completion_index``.
+- A non-streaming request whose client disconnects is aborted (its KV blocks
+  freed) and answered 499; an engine failure is answered as
+  :func:`~raypp.entrypoints.openai.errors.generation_failure` says.
+- Every request's tokens, timings and outcome go to the server's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from raypp.engine.async_engine import AsyncLLMEngine
+from raypp.entrypoints.metrics import RequestTracker, ServerMetrics
+from raypp.entrypoints.openai import protocol as p
+from raypp.entrypoints.openai.errors import APIError, generation_failure
+from raypp.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from raypp.entrypoints.openai.streaming import Deltas, merge, sse, sse_response, unless_disconnected
+from raypp.outputs import CompletionOutput, RequestOutput
+from raypp.sampling_params import SamplingParams
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+@dataclass
+class _Job:
+    """One admitted HTTP request: its prompts (one engine request each) and accounting."""
+
+    request_id: str
+    model: str
+    prompts: list[dict]
+    params: SamplingParams
+    tracker: RequestTracker
+    final: dict[tuple[int, int], CompletionOutput] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(prompt["prompt_token_ids"]) for prompt in self.prompts)
+
+    def usage(self) -> p.UsageInfo:
+        completion = sum(len(c.token_ids) for c in self.final.values())
+        return p.UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                           total_tokens=self.prompt_tokens + completion)
+
+    def choice_index(self, prompt_index: int, completion_index: int) -> int:
+        return prompt_index * self.params.n + completion_index
+
+
+class OpenAIServing:
+    """The endpoints' logic over one engine; ``served_model_names[0]`` is the default model."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics,
+                 served_model_names: list[str], model_path: str):
+        self.engine = engine
+        self.metrics = metrics
+        self.served_model_names = served_model_names
+        self.model_path = model_path
+
+    # -- /v1/models -------------------------------------------------------------------------
+    def models(self) -> Response:
+        return _json(p.ModelList(data=[
+            p.ModelCard(id=name, root=self.model_path, max_model_len=self.engine.max_model_len)
+            for name in self.served_model_names
+        ]))
+
+    # -- /v1/completions --------------------------------------------------------------------
+    async def completions(self, req: p.CompletionRequest, request: Request) -> Response:
+        try:
+            prompts = req.prompts()
+        except p.BadRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+        job = self._admit("cmpl", req.model, prompts, req.sampling_params, "prompt")
+        if req.stream:
+            return sse_response(job.request_id, self._completion_events(job, req))
+        if not await self._run_unary(request, job):
+            return Response(status_code=499)
+        choices = []
+        for (i, k), c in sorted(job.final.items(), key=lambda kv: job.choice_index(*kv[0])):
+            prefix = self._prompt_text(job, i) if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, _ = completion_logprobs(c, 0, len(c.token_ids), len(prefix))
+            choices.append(p.CompletionChoice(index=job.choice_index(i, k), text=prefix + c.text,
+                                              logprobs=logprobs, finish_reason=c.finish_reason))
+        return _json(p.CompletionResponse(id=job.request_id, model=job.model,
+                                                  choices=choices, usage=job.usage()))
+
+    async def _completion_events(self, job: _Job, req: p.CompletionRequest) -> AsyncIterator[str]:
+        def chunk(choices: list[p.CompletionChoice], usage: p.UsageInfo | None = None) -> str:
+            return sse(p.CompletionResponse(id=job.request_id, model=job.model, choices=choices,
+                                            usage=usage, created=created))
+
+        created = int(time.time())
+        deltas = Deltas(job.params)
+        if req.echo:
+            for i in range(len(job.prompts)):
+                text = self._prompt_text(job, i)
+                for k in range(job.params.n):
+                    deltas.get(i, k).text_offset = len(text)
+                    yield chunk([p.CompletionChoice(index=job.choice_index(i, k), text=text)])
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for i, out in outputs:
+                for c in out.outputs:
+                    step = deltas.get(i, c.index).advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    logprobs = None
+                    if req.logprobs is not None:
+                        d = deltas.get(i, c.index)
+                        logprobs, d.text_offset = completion_logprobs(c, start, end, d.text_offset)
+                    choice = p.CompletionChoice(index=job.choice_index(i, c.index), text=text,
+                                                logprobs=logprobs, finish_reason=c.finish_reason)
+                    yield chunk([choice])
+        if req.include_usage_in_stream:
+            yield chunk([], job.usage())
+
+    def _prompt_text(self, job: _Job, i: int) -> str:
+        prompt = job.prompts[i]
+        if prompt.get("prompt") is not None:
+            return prompt["prompt"]
+        return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+    async def chat(self, req: p.ChatCompletionRequest, request: Request) -> Response:
+        prompt = self._render_chat(req)
+        job = self._admit("chatcmpl", req.model, [prompt], req.sampling_params, "messages")
+        top = req.top_logprobs or 0
+        if req.stream:
+            return sse_response(job.request_id, self._chat_events(job, req, top))
+        if not await self._run_unary(request, job):
+            return Response(status_code=499)
+        choices = [
+            p.ChatChoice(index=k, message=p.ChatResponseMessage(content=c.text),
+                         logprobs=chat_logprobs(c, 0, len(c.token_ids), top)
+                         if req.logprobs else None,
+                         finish_reason=c.finish_reason)
+            for (_, k), c in sorted(job.final.items())
+        ]
+        return _json(p.ChatCompletionResponse(id=job.request_id, model=job.model,
+                                                      choices=choices, usage=job.usage()))
+
+    def _render_chat(self, req: p.ChatCompletionRequest) -> dict:
+        from raypp.entrypoints.chat import render_chat
+
+        tokenizer = self.engine.tokenizer
+        try:
+            text = render_chat(tokenizer, [m.as_dict() for m in req.messages])
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise APIError(400, f"cannot render messages: {e}", param="messages") from None
+        # A real template writes its own special tokens (BOS); don't add them twice.
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        ids = tokenizer.encode(text, add_special_tokens=not templated)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    async def _chat_events(self, job: _Job, req: p.ChatCompletionRequest,
+                           top: int) -> AsyncIterator[str]:
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.UsageInfo | None = None) -> str:
+            return sse(p.ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices,
+                                             usage=usage, created=created))
+
+        created = int(time.time())
+        deltas = Deltas(job.params)
+        for k in range(job.params.n):
+            yield chunk([p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant",
+                                                                         content=""))])
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for _, out in outputs:
+                for c in out.outputs:
+                    step = deltas.get(0, c.index).advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    logprobs = chat_logprobs(c, start, end, top) if req.logprobs else None
+                    choice = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(content=text),
+                                               logprobs=logprobs, finish_reason=c.finish_reason)
+                    yield chunk([choice])
+        if req.include_usage_in_stream:
+            yield chunk([], job.usage())
+
+    # -- admission and running ----------------------------------------------------------------
+    def _model_name(self, requested: str | None) -> str:
+        names = self.served_model_names
+        if requested is None:
+            return names[0]
+        if requested not in names:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, names))}", param="model", code="model_not_found")
+        return requested
+
+    def _admit(self, prefix: str, model: str | None, prompts: list[Any],
+               make_params: Callable[[], SamplingParams], prompt_param: str) -> _Job:
+        """Validate everything (400 on any problem) before a request reaches the engine."""
+        name = self._model_name(model)
+        try:
+            params = make_params()
+        except p.BadRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param_of(str(e))) from None
+        try:
+            prepared = [self.engine.prepare_prompt(prompt) for prompt in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e), param=prompt_param) from None
+        job = _Job(f"{prefix}-{uuid.uuid4().hex}", name, prepared, params, self.metrics.tracker())
+        job.tracker.admitted(job.prompt_tokens)
+        return job
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every update of every prompt of ``job``, recording metrics and final outputs."""
+        gens = [self.engine.generate(prompt, job.params, f"{job.request_id}-{i}")
+                for i, prompt in enumerate(job.prompts)]
+        failed = False
+        try:
+            async with contextlib.aclosing(merge(gens)) as merged:
+                async for i, out in merged:
+                    job.tracker.update(out, i)
+                    for c in out.outputs:
+                        job.final[(i, c.index)] = c
+                    yield i, out
+        except Exception:
+            failed = True
+            raise
+        finally:
+            reasons = [c.finish_reason for c in job.final.values()]
+            reasons += [None] * (len(job.prompts) * job.params.n - len(reasons))
+            job.tracker.finish(["error" if failed and r is None else r for r in reasons])
+
+    async def _run_unary(self, request: Request, job: _Job) -> bool:
+        """Run ``job`` to completion; False if the client went away first (then aborted)."""
+
+        async def drain() -> None:
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for _ in outputs:
+                    pass
+
+        try:
+            return await unless_disconnected(request, drain())
+        except Exception as e:  # noqa: BLE001 - every engine failure gets an error body
+            raise generation_failure(e) from None
+
+
+def _param_of(message: str) -> str | None:
+    """``SamplingParams.top_p must …`` → ``top_p``."""
+    head = "SamplingParams."
+    if message.startswith(head):
+        return message[len(head):].split(" ", 1)[0]
+    return None
