@@ -7,7 +7,8 @@ import pytest
 from raypp.entrypoints.args import engine_kwargs
 from raypp.entrypoints.cli import build_parser
 
-NEW_OPTIONS = ["--layer-partition", "3,2,2", "--enforce-eager", "--step-timeout-s", "7.5"]
+NEW_OPTIONS = ["--layer-partition", "3,2,2", "--enforce-eager", "--step-timeout-s", "7.5",
+               "--workers-per-gpu", "3"]
 
 
 @pytest.mark.parametrize("command", [
@@ -20,11 +21,12 @@ def test_every_engine_command_takes_the_runtime_options(command):
     assert kwargs["layer_partition"] == [3, 2, 2]
     assert kwargs["enforce_eager"] is True
     assert kwargs["step_timeout_s"] == 7.5
+    assert kwargs["workers_per_gpu"] == 3
 
 
 def test_options_left_out_keep_their_environment_defaults():
     kwargs = engine_kwargs(build_parser().parse_args(["generate", "--demo"]))
-    assert not {"layer_partition", "enforce_eager", "step_timeout_s"} & set(kwargs)
+    assert not {"layer_partition", "enforce_eager", "step_timeout_s", "workers_per_gpu"} & set(kwargs)
 
 
 def test_a_malformed_layer_partition_is_a_usage_error(capsys):
@@ -44,6 +46,8 @@ def test_invalid_values_are_refused_by_the_engine_config(tiny_llama):
         llm_from("-pp", "3", "--layer-partition", "3,2")  # sums to 5 of 6 layers
     with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
         llm_from("--step-timeout-s", "0")
+    with pytest.raises(ValueError, match="workers_per_gpu=2 places workers on GPUs"):
+        llm_from("--device", "cpu", "--workers-per-gpu", "2")
 
 
 def test_the_options_reach_the_engine(ray_cluster, tiny_llama):

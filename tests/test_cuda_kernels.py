@@ -328,7 +328,7 @@ def test_greedy_step_equals_argmax_then_advance(dtype, rows, vocab):
     cpu.advance(want, block_size)
     keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device="cuda")
     out = torch.zeros(rows, 3, dtype=torch.int64, device="cuda")
-    greedy_step(logits.cuda(), keys, out[:, 1], gpu, block_size)
+    greedy_step(logits.cuda(), keys, out[:, 1], gpu.kernel_tensors(), block_size)
     assert torch.equal(out[:, 1].cpu(), want)
     assert not out[:, 0].any() and not out[:, 2].any()
     assert bool((keys == EMPTY_KEY).all())

@@ -7,22 +7,21 @@ naming raypp module ``b``, at any depth (function-level imports count: they run
 too). ``from pkg import name`` points at ``pkg.name`` when that is a module, else
 at ``pkg`` (its ``__init__``); importing ``pkg.mod`` is an edge to ``pkg.mod``
 only, not to every parent package. No cycle may exist among runtime imports.
-Imports under ``if TYPE_CHECKING:`` never run; they form cycles only in the two
-places listed in ``KNOWN_TYPE_ONLY_CYCLES`` (outside the entry points), each an
-``xfail`` that turns into a failure once it is fixed so the entry is removed.
+Imports under ``if TYPE_CHECKING:`` never run, but a cycle through them is a layering
+knot all the same: none may exist either.
 
 Size. No module over ``MAX_LINES`` lines, except those in ``KNOWN_LARGE`` (each
 its own ``xfail``, naming the module).
 
-Environment. A module "touches the environment" when it refers to
-``os.environ``/``os.getenv``/``os.putenv``/``os.unsetenv`` or imports
-:mod:`raypp.envs`. Allowed: :mod:`raypp.envs` (declares every ``RAYPP_*``
-variable), :mod:`raypp.config` (config defaults), :mod:`raypp.logger` (the raypp
-logger's level), and two commands that configure their own process, not the
-engine: :mod:`raypp.entrypoints.cli` (the root log level of a ``raypp`` command,
-``RAYPP_LOG_LEVEL``) and :mod:`raypp.entrypoints.openai.server` (the server's API
-key, ``RAYPP_API_KEY``). ``KNOWN_ENV_USERS`` lists the modules outside the entry
-points that touch it today (each its own ``xfail``, naming the module and why).
+Environment. raypp's own settings (``RAYPP_*``) are config defaults: a module
+"reads raypp settings" when it imports :mod:`raypp.envs` or names a ``"RAYPP_..."``
+string next to ``os.environ``/``os.getenv``. Allowed: :mod:`raypp.envs` (declares
+every variable), :mod:`raypp.config` (config defaults), :mod:`raypp.logger` (the
+raypp logger's level), and two commands that configure their own process, not the
+engine: :mod:`raypp.entrypoints.cli` (the root log level, ``RAYPP_LOG_LEVEL``) and
+:mod:`raypp.entrypoints.openai.server` (the server's API key, ``RAYPP_API_KEY``).
+Ray's own variables (``RAY_ADDRESS``, ``RAY_AUTH_MODE``, ``RAY_CGRAPH_*``) belong to
+whoever starts Ray or its actors: only the modules in ``RAY_ENV_USERS``.
 """
 
 from __future__ import annotations
@@ -35,12 +34,6 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 450
 
-KNOWN_TYPE_ONLY_CYCLES = {
-    frozenset({"raypp.kernels.sampling", "raypp.worker.decode_loop"}):
-        "raypp.kernels.sampling imports raypp.worker.decode_loop.DecodeInputs for a type hint",
-    frozenset({"raypp.worker.stage_loop", "raypp.worker.worker"}):
-        "raypp.worker.stage_loop imports raypp.worker.worker.StageWorker for a type hint",
-}
 KNOWN_LARGE = {
     "raypp.bench.multi_gpu": "raypp.bench.multi_gpu is over the limit (GPU benchmark script)",
     "raypp.bench.gpu_decode": "raypp.bench.gpu_decode is over the limit (GPU benchmark script)",
@@ -49,15 +42,11 @@ ENV_ALLOWED = {
     "raypp.envs", "raypp.config", "raypp.logger", "raypp.entrypoints.cli",
     "raypp.entrypoints.openai.server",
 }
-KNOWN_ENV_USERS = {
-    "raypp.executor.stage_pool": "reads RAY_ADDRESS, copies RAY_CGRAPH_* to the stage actors",
-    "raypp.testing.multinode": "sets RAYPP_PLACEMENT_STRATEGY for a simulated cluster",
-    "raypp.bench.cluster": "reads RAY_ADDRESS, sets RAY_AUTH_MODE",
-    "raypp.bench.faults": "sets RAYPP_IDLE_SUSPEND_S around an engine",
-    "raypp.bench.runner": "sets RAYPP_TRACE_COMM around an engine",
-    "raypp.bench.hop": "copies RAY_CGRAPH_* to its actors",
-    "raypp.bench.multi_gpu": "records and sets NCCL_*/RAYPP_* variables, reads envs",
-    "raypp.bench.gpu_decode": "sets RAYPP_CONTROL_PLANE around an engine, reads OUT",
+RAY_ENV_USERS = {
+    "raypp.executor.stage_pool",  # joins RAY_ADDRESS, copies RAY_CGRAPH_* to the stage actors
+    "raypp.bench.cluster",  # joins RAY_ADDRESS or starts a private cluster
+    "raypp.bench.hop",  # copies RAY_CGRAPH_* to its actors
+    "raypp.testing.multinode",  # starts a simulated cluster
 }
 _ENV_FUNCTIONS = {"environ", "getenv", "putenv", "unsetenv"}
 
@@ -170,7 +159,22 @@ def _touches_environment(module: str) -> bool:
         if (isinstance(node, ast.ImportFrom) and node.module == "os"
                 and any(alias.name in _ENV_FUNCTIONS for alias in node.names)):
             return True
-    return any(_target(name) == "raypp.envs" for name, _ in _imports(module, tree))
+    return _reads_raypp_settings(module)
+
+
+def _reads_raypp_settings(module: str) -> bool:
+    tree = ast.parse(MODULES[module].read_text())
+    if any(_target(name) == "raypp.envs" for name, _ in _imports(module, tree)):
+        return True
+    names = {n.value for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return _touches_os_environment(tree) and any(s.startswith("RAYPP_") for s in names)
+
+
+def _touches_os_environment(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.Attribute) and node.attr in _ENV_FUNCTIONS
+               and isinstance(node.value, ast.Name) and node.value.id == "os"
+               for node in ast.walk(tree))
 
 
 def _lines(module: str) -> int:
@@ -185,7 +189,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
         ("raypp.entrypoints.args", False), ("raypp.entrypoints.chat", False),
         ("raypp.llm", True)]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
-    known = set(KNOWN_LARGE) | set(KNOWN_ENV_USERS) | set().union(*KNOWN_TYPE_ONLY_CYCLES)
+    known = set(KNOWN_LARGE) | RAY_ENV_USERS
     assert known <= set(MODULES)  # every exception names a module that exists
 
 
@@ -193,17 +197,8 @@ def test_no_import_cycles():
     assert _cycles(_graph(with_type_only=False)) == set()
 
 
-def test_type_only_imports_add_no_other_cycle():
-    assert _cycles(_graph(with_type_only=True)) <= set(KNOWN_TYPE_ONLY_CYCLES)
-
-
-@pytest.mark.parametrize("cycle", [
-    pytest.param(cycle, marks=pytest.mark.xfail(strict=True, reason=reason),
-                 id="-".join(sorted(cycle)))
-    for cycle, reason in KNOWN_TYPE_ONLY_CYCLES.items()
-])
-def test_known_type_only_cycle_is_gone(cycle):
-    assert cycle not in _cycles(_graph(with_type_only=True))
+def test_type_only_imports_add_no_cycle():
+    assert _cycles(_graph(with_type_only=True)) == set()
 
 
 def test_modules_are_small():
@@ -219,15 +214,13 @@ def test_known_large_module_is_small(module):
     assert _lines(module) <= MAX_LINES
 
 
-def test_environment_is_read_only_where_allowed():
+def test_raypp_settings_are_read_only_where_config_is_made():
+    readers = {m for m in MODULES if _reads_raypp_settings(m)}
+    assert readers <= ENV_ALLOWED, readers - ENV_ALLOWED
+    assert {"raypp.envs", "raypp.config"} <= readers  # the checks see real readers
+
+
+def test_the_environment_is_touched_only_by_config_and_ray_starters():
     touching = {m for m in MODULES if _touches_environment(m)}
-    assert touching >= ENV_ALLOWED  # the allow-list names real readers only
-    assert touching - ENV_ALLOWED - set(KNOWN_ENV_USERS) == set()
-
-
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=f"{m} {reason}"), id=m)
-    for m, reason in KNOWN_ENV_USERS.items()
-])
-def test_known_environment_user_is_gone(module):
-    assert not _touches_environment(module)
+    assert touching <= ENV_ALLOWED | RAY_ENV_USERS, touching - ENV_ALLOWED - RAY_ENV_USERS
+    assert touching >= RAY_ENV_USERS  # the allow-list names real users only

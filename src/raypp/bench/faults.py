@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import threading
 import time
@@ -51,22 +50,18 @@ def kill_timings(model: str, pp: int, kills: int) -> dict:
             "kill_to_first_good_token_s": _summary(to_token)}
 
 
-def idle_cpu(model: str, pp: int, seconds: float, suspend_s: str) -> list[float]:
+def idle_cpu(model: str, pp: int, seconds: float, suspend_s: float) -> list[float]:
     """Fraction of one core used by each stage process while the engine idles."""
     import ray
 
     from raypp import LLM, SamplingParams
     from raypp.bench.cpu import cpu_fraction
 
-    os.environ["RAYPP_IDLE_SUSPEND_S"] = suspend_s
-    try:
-        with LLM(model, pipeline_parallel_size=pp) as llm:
-            llm.generate("A", SamplingParams(max_tokens=4), use_tqdm=False)
-            time.sleep(max(2.0, float(suspend_s) + 1.5))
-            pids = ray.get([w.ping.remote() for w in llm.engine.executor.all_workers])
-            return [round(u, 4) for u in cpu_fraction(pids, seconds)]
-    finally:
-        os.environ.pop("RAYPP_IDLE_SUSPEND_S", None)
+    with LLM(model, pipeline_parallel_size=pp, idle_suspend_s=suspend_s) as llm:
+        llm.generate("A", SamplingParams(max_tokens=4), use_tqdm=False)
+        time.sleep(max(2.0, suspend_s + 1.5))
+        pids = ray.get([w.ping.remote() for w in llm.engine.executor.all_workers])
+        return [round(u, 4) for u in cpu_fraction(pids, seconds)]
 
 
 def _summary(values: list[float]) -> dict:
@@ -76,6 +71,8 @@ def _summary(values: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from raypp.bench.cluster import start_ray
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
@@ -83,12 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    start_ray(None)
     result = kill_timings(args.model, args.pipeline_parallel_size, args.kills)
     result["idle_cpu_per_stage_suspended"] = idle_cpu(args.model, args.pipeline_parallel_size,
-                                                      args.idle_seconds, "1")
+                                                      args.idle_seconds, 1.0)
     result["idle_cpu_per_stage_compiled"] = idle_cpu(args.model, args.pipeline_parallel_size,
-                                                    args.idle_seconds, "0")
+                                                    args.idle_seconds, 0.0)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -150,17 +150,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
     from raypp.entrypoints.args import engine_kwargs, resolve_model
 
     start_ray(args.ray_address)
-    if not args.timeline:
-        return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
-    previous = os.environ.get("RAYPP_TRACE_COMM")
-    os.environ["RAYPP_TRACE_COMM"] = "1"  # copied to the stage actors at start-up
-    try:
-        return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args))
-    finally:
-        if previous is None:
-            del os.environ["RAYPP_TRACE_COMM"]
-        else:
-            os.environ["RAYPP_TRACE_COMM"] = previous
+    # a timeline needs the stages' send/recv intervals
+    return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args),
+               **({"trace_comm": True} if args.timeline else {}))
 
 
 def _requests(args: argparse.Namespace, engine: Any) -> list[BenchRequest]:

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "else an even split)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="never capture CUDA graphs (default: RAYPP_ENFORCE_EAGER, off)")
+    parser.add_argument("--workers-per-gpu", type=int, default=None, metavar="N",
+                        help="stage workers that may share one GPU, e.g. -pp 2 --workers-per-gpu 2 "
+                             "on one GPU (default: RAYPP_WORKERS_PER_GPU, 1)")
     parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
                         help="longest wait for one pipeline step before it counts as hung "
                              "(default: RAYPP_STEP_TIMEOUT_S, 60)")
@@ -87,6 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "layer_partition": args.layer_partition,
         "enforce_eager": args.enforce_eager,
         "step_timeout_s": args.step_timeout_s,
+        "workers_per_gpu": args.workers_per_gpu,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

@@ -10,14 +10,11 @@ Imported only when the inputs live on a GPU (Triton is not needed on CPU).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from raypp.worker.decode_loop import DecodeInputs
 
 _ROWS_PER_PROGRAM = 256
 
@@ -45,15 +42,29 @@ def _advance_rows(tokens, r, mask, ids_ptr, pos_ptr, lens_ptr, slot_ptr, tables_
     tl.store(slot_ptr + r, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=mask)
 
 
-def advance(inputs: DecodeInputs, tokens: torch.Tensor, block_size: int) -> None:
-    """In place, as :meth:`DecodeInputs.advance` (rows contiguous, tables row-major)."""
+class DecodeTensors(NamedTuple):
+    """A decode batch's per-row inputs (int64, contiguous rows; tables row-major)."""
+
+    input_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    seq_lens: torch.Tensor  # [rows] context length including this step's token
+    slot_mapping: torch.Tensor  # [rows]
+    block_tables: torch.Tensor  # [rows, width]
+
+    def check(self) -> None:
+        for t in self[:4]:
+            assert t.is_contiguous() and t.dtype == torch.int64
+        assert self.block_tables.stride(1) == 1
+
+
+def advance(inputs: DecodeTensors, tokens: torch.Tensor, block_size: int) -> None:
+    """In place: the next step's input is ``tokens``, one position further on (its
+    position, context length and cache slot from the block table)."""
     rows = tokens.shape[0]
-    for t in (tokens, inputs.input_ids, inputs.positions, inputs.seq_lens, inputs.slot_mapping):
-        assert t.is_contiguous() and t.dtype == torch.int64
-    assert inputs.block_tables.stride(1) == 1
+    assert tokens.is_contiguous() and tokens.dtype == torch.int64
+    inputs.check()
     _advance_kernel[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](
-        tokens, inputs.input_ids, inputs.positions, inputs.seq_lens, inputs.slot_mapping,
-        inputs.block_tables, rows, inputs.block_tables.stride(0),
+        tokens, *inputs, rows, inputs.block_tables.stride(0),
         BLOCK_SIZE=block_size, ROWS=_ROWS_PER_PROGRAM, num_warps=4)
 
 
@@ -95,22 +106,18 @@ def _greedy_advance_kernel(keys_ptr, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_p
 
 
 def greedy_step(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
-                inputs: DecodeInputs | None, block_size: int) -> None:
+                inputs: DecodeTensors | None, block_size: int) -> None:
     """``out[r] = argmax(logits[r])`` (first index of the maximum) and, given ``inputs``,
-    advance them as :meth:`DecodeInputs.advance` with those tokens. ``keys``: ``[rows]``
-    int64 filled with :data:`EMPTY_KEY` (left so for the next call); ``out`` may be a
-    strided column, e.g. one step's column of a ``[rows, steps]`` buffer."""
+    :func:`advance` them with those tokens. ``keys``: ``[rows]`` int64 filled with
+    :data:`EMPTY_KEY` (left so for the next call); ``out`` may be a strided column, e.g.
+    one step's column of a ``[rows, steps]`` buffer."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and keys.is_contiguous() and out.dtype == torch.int64
     _argmax_chunk_kernel[(rows, triton.cdiv(vocab, _ARGMAX_BLOCK))](
         logits, keys, vocab, logits.stride(0), BLOCK=_ARGMAX_BLOCK, num_warps=8)
     if inputs is not None:
-        for t in (inputs.input_ids, inputs.positions, inputs.seq_lens, inputs.slot_mapping):
-            assert t.is_contiguous() and t.dtype == torch.int64
-        assert inputs.block_tables.stride(1) == 1
-        tensors = (inputs.input_ids, inputs.positions, inputs.seq_lens, inputs.slot_mapping,
-                   inputs.block_tables)
-        stride_table = inputs.block_tables.stride(0)
+        inputs.check()
+        tensors, stride_table = tuple(inputs), inputs.block_tables.stride(0)
     else:
         tensors, stride_table = (keys,) * 5, 0
     _greedy_advance_kernel[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](

@@ -31,7 +31,6 @@ def main() -> None:
                         help="then remove the worker node, and add a fresh one S s later")
     parser.add_argument("--soak-s", type=float, default=0.0)
     args = parser.parse_args()
-    os.environ["RAYPP_PLACEMENT_STRATEGY"] = "STRICT_SPREAD"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     import ray
@@ -61,7 +60,8 @@ def _run(args: argparse.Namespace, ray, cluster) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     report: dict = {}
-    with LLM(args.model, pipeline_parallel_size=2, max_restarts=5) as llm:
+    with LLM(args.model, pipeline_parallel_size=2, max_restarts=5,
+             placement_strategy="STRICT_SPREAD") as llm:
         executor = llm.engine.executor
         report["nodes"] = ray.get([w.node_id.remote() for w in executor.all_workers])
         report["head_node"] = ray.get_runtime_context().get_node_id()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,12 +54,19 @@ class DecodeInputs:
                                  seq_lens=[], block_tables=self.block_tables, decode_only=True,
                                  seq_lens_tensor=self.seq_lens)
 
+    def kernel_tensors(self) -> Any:
+        """These tensors as :class:`raypp.kernels.sampling.DecodeTensors` (CUDA only)."""
+        from raypp.kernels.sampling import DecodeTensors
+
+        return DecodeTensors(self.input_ids, self.positions, self.seq_lens, self.slot_mapping,
+                             self.block_tables)
+
     def advance(self, tokens: torch.Tensor, block_size: int) -> None:
         """Make these the inputs of the next step, whose tokens are ``tokens``."""
-        if tokens.is_cuda:
+        if tokens.is_cuda:  # one Triton launch instead of seven small kernels
             from raypp.kernels import sampling
 
-            sampling.advance(self, tokens, block_size)
+            sampling.advance(self.kernel_tensors(), tokens, block_size)
             return
         self.input_ids.copy_(tokens)
         self.positions.add_(1)
@@ -113,6 +121,6 @@ def _greedy_cuda_steps(forward: Callable[[], torch.Tensor], inputs: DecodeInputs
     out = torch.empty(rows, num_steps, dtype=torch.int64, device=device)
     keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=device)
     for j in range(num_steps):
-        greedy_step(forward(), keys, out[:, j], inputs if j + 1 < num_steps else None,
-                    block_size)
+        greedy_step(forward(), keys, out[:, j],
+                    inputs.kernel_tensors() if j + 1 < num_steps else None, block_size)
     return DecodeRun(out.tolist(), [None] * rows, out[:, -1])

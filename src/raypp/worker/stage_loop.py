@@ -16,15 +16,12 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from raypp.distributed import message_queue as mq
 from raypp.distributed import parallel_state
 from raypp.errors import StageError
 from raypp.step import StageHandoff
-
-if TYPE_CHECKING:
-    from raypp.worker.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +29,12 @@ SLICE_S = 1.0  # longest blocking wait before a loop thread re-checks whether to
 SEND_TIMEOUT_S = 2.0  # a queue with a live, connected peer takes a message at once
 _QUEUE_DEPTH = 4  # steps buffered between a stage's threads
 _FAILED = "__raypp_step_failed__"  # key of a failure marker sent down the pipeline
+
+
+class StepRunner(Protocol):
+    """What the loop needs of its worker: the per-step compute of the stage."""
+
+    def execute_step(self, payload: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class StageLoop:
     any other error ends the loop and is reported to the driver as fatal.
     """
 
-    def __init__(self, worker: StageWorker, spec: LoopSpec):
+    def __init__(self, worker: StepRunner, spec: LoopSpec):
         self.worker, self.spec = worker, spec
         self.rank = spec.index
         self.pp = parallel_state.get_pp_group()
