@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
 if [ "${2:-200}" -gt 0 ]; then
   # shellcheck disable=SC2086 # TESTS is a list of pytest arguments
-  timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_fused_decode.py} \
+  timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_kernels.py} \
     ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -rfE 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
 fi
@@ -30,6 +30,6 @@ if [ "$BUDGET" -lt 60 ]; then
   exit 0
 fi
 echo "benchmark budget ${BUDGET} s"
-timeout $((BUDGET + 25)) python3 -m raypp.bench.gpu_decode --out "$OUT" --budget-s "$BUDGET" \
+timeout $((BUDGET + 25)) python3 -m benchmarks.gpu.decode --out "$OUT" --budget-s "$BUDGET" \
   ${SECTIONS:+--sections "$SECTIONS"} > "$OUT/log.txt" 2>&1
 tail -c 6000 "$OUT/log.txt"

@@ -21,10 +21,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from raypp.executor.ray_executor import RayExecutor
+
 from raypp import LLM, SamplingParams
 from raypp.engine.engine import LLMEngine
 from raypp.engine.scheduler import Scheduler
-from raypp.executor.ray_executor import RayExecutor
 from raypp.testing.tiny_model import make_tiny_model
 
 SPENT: defaultdict[str, float] = defaultdict(float)

@@ -1,6 +1,6 @@
 """One-call GPU decode benchmark: raypp against transformers and the HBM roofline.
 
-    python -m raypp.bench.gpu_decode --out DIR [--budget-s 420]
+    python -m benchmarks.gpu.decode --out DIR [--budget-s 420]
 
 In one process, on one GPU, it:
 
@@ -346,9 +346,10 @@ class StageHarness:
     """One StageWorker in this process (NCCL world of one), fed hand-built steps."""
 
     def __init__(self, ckpt: Path, max_num_seqs: int, num_blocks: int):
+        from raypp.executor.worker import StageWorker
+
         from raypp.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
         from raypp.distributed.ports import free_port
-        from raypp.executor.worker import StageWorker
 
         config = EngineConfig(
             model=ModelConfig(str(ckpt), dtype="bfloat16", max_model_len=MAX_MODEL_LEN),

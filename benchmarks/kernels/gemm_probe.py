@@ -1,7 +1,7 @@
 """Decode-batch projections: raypp's split-K Triton GEMM (with and without programmatic
 dependent launch) against cuBLAS, per shape and as the 16-layer chain of a decode step.
 
-    python -m raypp.bench.gemm_probe --out DIR [--rows 64,16] [--budget-s 240]
+    python -m benchmarks.kernels.gemm_probe --out DIR [--rows 64,16] [--budget-s 240]
 
 Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down) and batch
 (``--rows``): ``F.linear`` (plus ``F.silu(gate) * up``), then GEMM settings without PDL
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from raypp.bench.gemv_probe import SHAPES, layer_chain, sweep_shape
-from raypp.bench.gpu_decode import bandwidth, log
 from raypp.model.triton_decode import GemmConfig, gemm, gemm_config
+
+from benchmarks.gpu.decode import bandwidth, log
+from benchmarks.kernels.gemv_probe import SHAPES, layer_chain, sweep_shape
 
 GRID = [(bn, bk, split, warps, stages) for bn in (32, 64, 128) for bk in (64, 128, 256)
         for split in (1, 2, 4, 8) for stages in (1, 3, 4) for warps in (4, 8)]

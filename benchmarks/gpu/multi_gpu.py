@@ -1,6 +1,6 @@
 """One-call multi-GPU benchmark suites for issues 8 (PP=2) and 9 (TP × PP).
 
-    python -m raypp.bench.multi_gpu --suite pp2|tp2pp2 --out DIR [--device cuda|cpu]
+    python -m benchmarks.gpu.multi_gpu --suite pp2|tp2pp2 --out DIR [--device cuda|cpu]
         [--model DIR | --make-model tiny|small|1b|8b] [--budget-s S]
 
 Everything lands in ``DIR`` (flat, at most 4 files, so it all comes back from a
@@ -154,7 +154,7 @@ class Run:
         self.results: dict[str, Any] = {
             "suite": args.suite, "device": args.device,
             "kind": "GPU run" if args.device == "cuda" else "CPU dry run (gloo, not a GPU result)",
-            "command": " ".join([Path(sys.executable).name, "-m", "raypp.bench.multi_gpu",
+            "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.gpu.multi_gpu",
                                  *sys.argv[1:]]),
             "errors": {}, "skipped": [], "timings_s": {},
             "engines": {}, "correctness": {}, "hop": None, "throughput": {},
@@ -277,7 +277,7 @@ def _build_large(shape: dict[str, Any], path: Path, shard_bytes: int = 4 << 30) 
     import transformers
     from safetensors.torch import save_file
 
-    from raypp.bench.gpu_decode import _word_tokenizer
+    from benchmarks.gpu.decode import _word_tokenizer
 
     config = transformers.LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=0,
                                       eos_token_id=1, pad_token_id=2, dtype="bfloat16")
@@ -924,7 +924,7 @@ def _run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m raypp.bench.multi_gpu",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.multi_gpu",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--suite", required=True, choices=sorted(SUITES))
     ap.add_argument("--out", required=True, help="folder for results.json, summary.md, timeline")

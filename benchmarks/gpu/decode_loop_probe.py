@@ -34,8 +34,9 @@ def _nvml() -> dict[str, Any]:
 
 
 def probe_batch(h: Any, batch: int) -> dict[str, Any]:
-    from raypp.bench.gpu_decode import PROMPT_LEN, random_prompts
     from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
+
+    from benchmarks.gpu.decode import PROMPT_LEN, random_prompts
 
     w = h.worker
     graphs = w.decode_graphs
@@ -101,7 +102,7 @@ def probe_batch(h: Any, batch: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from raypp.bench.gpu_decode import MAX_MODEL_LEN, StageHarness, make_checkpoint
+    from benchmarks.gpu.decode import MAX_MODEL_LEN, StageHarness, make_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="probe_out")

@@ -1,7 +1,7 @@
 """Batch-1 projections: raypp's Triton GEMV (with and without programmatic dependent
 launch) against cuBLAS, per shape and as the 16-layer chain of a decode step.
 
-    python -m raypp.bench.gemv_probe --out DIR
+    python -m benchmarks.kernels.gemv_probe --out DIR
 
 Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down): every
 GEMV setting in ``CONFIGS`` without PDL, the four fastest again with PDL, and
@@ -9,7 +9,7 @@ GEMV setting in ``CONFIGS`` without PDL, the four fastest again with PDL, and
 in one CUDA graph. Then the layer chain without attention (norm, qkv, o, norm,
 gate/up, down; 16 layers, 1.95 GB of weights) with cuBLAS, with the GEMV at
 :func:`raypp.model.triton_decode.gemv_config`'s settings, and with the per-shape best.
-Results: benchmarks/gpu/README.md (run 7). :mod:`raypp.bench.gemm_probe` runs the same
+Results: benchmarks/gpu/README.md (run 7). :mod:`benchmarks.kernels.gemm_probe` runs the same
 sweep (:func:`sweep_shape`) and chain (:func:`layer_chain`) with the decode-batch GEMM.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from raypp.bench.gpu_decode import _time_cuda, bandwidth, log
 from raypp.model.triton_decode import gemv, rms_norm
+
+from benchmarks.gpu.decode import _time_cuda, bandwidth, log
 
 HIDDEN, INTER, QKV, LAYERS = 2048, 8192, 3072, 16
 SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False),
