@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call (benchmarks/gpu/README.md): install the carried wheels (.whl/), run the
-# CUDA tests, then the decode benchmark in the time left. Results go to $OUT.
+# CUDA tests, then the decode benchmark (python -m benchmarks.gpu.decode, run from the repo
+# root) in the time left. Results go to $OUT.
 #   bash scripts/gpu_run.sh [TOTAL_SECONDS=560] [PYTEST_SECONDS=200 (0: skip the tests)]
-# Optional: TESTS (pytest arguments, split on spaces; default: both CUDA test modules),
+# Optional: TESTS (pytest arguments, split on spaces; default: both CUDA test modules,
+# tests/test_cuda.py and tests/test_cuda_kernels.py),
 # TESTS_K (a pytest -k expression, spaces allowed), SECTIONS (the benchmark's --sections;
 # default: all).
 # The benchmark needs ~300 s and the tests ~300 s: run them in separate calls
