@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/raypp generate --demo --pipeline-parallel-size 2
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks scripts

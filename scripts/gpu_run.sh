@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call (benchmarks/gpu/README.md): install the carried wheels (.whl/), run the
-# CUDA tests, then the decode benchmark in the time left. Results go to $OUT.
+# CUDA tests, then the decode benchmark (python -m benchmarks.gpu.decode, run from the repo
+# root) in the time left. Results go to $OUT.
 #   bash scripts/gpu_run.sh [TOTAL_SECONDS=560] [PYTEST_SECONDS=200 (0: skip the tests)]
-# Optional: TESTS (pytest arguments, split on spaces; default: both CUDA test modules),
+# Optional: TESTS (pytest arguments, split on spaces; default: both CUDA test modules,
+# tests/test_cuda.py and tests/test_cuda_kernels.py),
 # TESTS_K (a pytest -k expression, spaces allowed), SECTIONS (the benchmark's --sections;
 # default: all).
 # The benchmark needs ~300 s and the tests ~300 s: run them in separate calls
@@ -20,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
 if [ "${2:-200}" -gt 0 ]; then
   # shellcheck disable=SC2086 # TESTS is a list of pytest arguments
-  timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_fused_decode.py} \
+  timeout "${2:-200}" python3 -m pytest ${TESTS:-tests/test_cuda.py tests/test_cuda_kernels.py} \
     ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -rfE 2>&1 \
     | tee "$OUT/pytest.txt" | tail -15
 fi
@@ -30,6 +32,6 @@ if [ "$BUDGET" -lt 60 ]; then
   exit 0
 fi
 echo "benchmark budget ${BUDGET} s"
-timeout $((BUDGET + 25)) python3 -m raypp.bench.gpu_decode --out "$OUT" --budget-s "$BUDGET" \
+timeout $((BUDGET + 25)) python3 -m benchmarks.gpu.decode --out "$OUT" --budget-s "$BUDGET" \
   ${SECTIONS:+--sections "$SECTIONS"} > "$OUT/log.txt" 2>&1
 tail -c 6000 "$OUT/log.txt"

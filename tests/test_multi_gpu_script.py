@@ -1,4 +1,4 @@
-"""CPU dry run of ``raypp.bench.multi_gpu`` (the scripts for the 2- and 4-GPU issues).
+"""CPU dry run of ``benchmarks.gpu.multi_gpu`` (the lab script for the 2- and 4-GPU issues).
 
 Real Ray, real gloo groups, the tiny Llama: the suites' sections run trimmed with
 ``--only``, write well-formed results, and their correctness checks pass. Speed is
@@ -11,7 +11,10 @@ import json
 
 import pytest
 
-from raypp.bench.multi_gpu import REFERENCE, Layout, build_arg_parser, compare, nccl_inits, run_suite
+from benchmarks.gpu.multi_gpu import build_arg_parser, run_suite
+from benchmarks.gpu.multi_gpu_checks import compare
+from benchmarks.gpu.multi_gpu_comms import nccl_inits
+from benchmarks.gpu.multi_gpu_suites import REFERENCE, Layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WRAPPED, NATIVE = Layout(1, 2, True).name, Layout(1, 2, False).name
@@ -115,7 +118,7 @@ def test_summary_of_a_partial_cuda_shaped_run(pp2):
     still give targets and a summary."""
     import copy
 
-    from raypp.bench.multi_gpu import summary_markdown, targets
+    from benchmarks.gpu.multi_gpu_summary import summary_markdown, targets
 
     r = copy.deepcopy(pp2[1])
     r["device"], r["kind"] = "cuda", "GPU run"

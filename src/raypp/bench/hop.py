@@ -42,7 +42,7 @@ _TRANSPORT_LABELS = {
 class HopStage:
     """A bench stage actor: one rank of a real PP group (gloo on CPU, NCCL on CUDA)
     that makes, forwards or consumes ``(n, hidden)`` tensors. Also used by
-    :mod:`raypp.bench.multi_gpu`."""
+    the multi-GPU lab suite (``benchmarks/gpu/multi_gpu_hop.py``)."""
 
     def __init__(self, rank: int, world: int, hidden: int, device: str = "cpu",
                  dtype: str = "float32"):

@@ -1,14 +1,17 @@
 """Where the engine's host time per decode round goes, on CPU with a tiny model.
 
-    PYTHONPATH=src python scripts/engine_host_split.py [--seqs 64] [--steps 32]
+    PYTHONPATH=src python -m benchmarks.gpu.engine_host_split [--seqs 64] [--steps 32]
 
-Starts an engine (local Ray cluster, one CPU stage) on a generated tiny Llama, runs
+(from the repository root; formerly ``scripts/engine_host_split.py``). Starts an engine
+(local Ray cluster, one CPU stage, compiled-graph plane) on a generated tiny Llama, runs
 ``--seqs`` sequences of 256 greedy tokens with ``num_decode_steps=--steps`` three
 times (the first is warm-up), and prints per decode round the milliseconds spent in
-each engine method: ``_append_results``, ``schedule``, ``_build_step`` and ``submit``
-come before the next round reaches the stage (the device waits for them);
-``_finish_text`` runs while it computes; ``result`` is the wait for the stage.
-benchmarks/gpu/README.md (run 9) quotes it.
+each step of the engine's loop: ``append_results`` (the output processor),
+``schedule``, ``build_step`` and ``submit`` come before the next round reaches the
+stage (the device waits for them); ``finish_text`` runs while it computes; ``result``
+is the wait for the stage. benchmarks/gpu/README.md (run 9) quotes it, from before the
+engine's split into step builder and output processor (``_append_results``,
+``_build_step`` and ``_finish_text`` were the engine's methods then).
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ from collections import defaultdict
 from pathlib import Path
 
 from raypp import LLM, SamplingParams
-from raypp.engine.engine import LLMEngine
+from raypp.engine.output_processor import OutputProcessor
 from raypp.engine.scheduler import Scheduler
-from raypp.executor.ray_executor import RayExecutor
+from raypp.engine.step_builder import StepBuilder
+from raypp.executor.cgraph import CompiledGraphExecutor
 from raypp.testing.tiny_model import make_tiny_model
 
 SPENT: defaultdict[str, float] = defaultdict(float)
 
 
-def _timed(cls: type, name: str) -> None:
+def _timed(cls: type, name: str, label: str | None = None) -> None:
+    """Wrap ``cls.name`` so that its time adds up in ``SPENT[label or name]``."""
     inner = getattr(cls, name)
+    label = label or name
 
     @functools.wraps(inner)
     def wrapper(*args, **kwargs):
@@ -39,26 +45,28 @@ def _timed(cls: type, name: str) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            SPENT[name] += time.perf_counter() - started
+            SPENT[label] += time.perf_counter() - started
 
     setattr(cls, name, wrapper)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.engine_host_split",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
-    args = ap.parse_args()
-    for name in ("_append_results", "_build_step", "_finish_text"):
-        _timed(LLMEngine, name)
+    args = ap.parse_args(argv)
+    for name in ("append_results", "finish_text"):
+        _timed(OutputProcessor, name)
+    _timed(StepBuilder, "build", "build_step")
     _timed(Scheduler, "schedule")
     for name in ("submit", "result"):
-        _timed(RayExecutor, name)
+        _timed(CompiledGraphExecutor, name)
     model = make_tiny_model(Path(tempfile.mkdtemp()), architecture="llama", seed=0)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     with LLM(str(model), device="cpu", dtype="float32", max_num_seqs=args.seqs,
-             num_decode_steps=args.steps) as llm:
+             num_decode_steps=args.steps, control_plane="cgraph") as llm:
         engine = llm.engine
         for run in ("warm-up", "run 1", "run 2"):
             for i in range(args.seqs):

@@ -1,10 +1,12 @@
 """Where a multi-step decode round's time goes beyond its graph replays (GPU).
 
-    PYTHONPATH=src python3 scripts/decode_loop_probe.py --out DIR
+    PYTHONPATH=src python3 -m benchmarks.gpu.decode_loop_probe --out DIR [--ckpt DIR]
 
-On the benchmark's 1B checkpoint, with one ``StageWorker`` in this process, at
-batch 1 and 64 (context ~600), per decode step: an isolated graph replay (as
-``gpu_decode``'s ``graph_replay_with_lm_head_ms``), replays back to back, replays
+(from the repository root; formerly ``scripts/decode_loop_probe.py``).
+On the decode benchmark's 1B checkpoint (built if missing), with one ``StageWorker`` in
+this process (:class:`~benchmarks.gpu.stage_harness.StageHarness`), at batch 1 and 64
+(context ~600), per decode step: an isolated graph replay (as :mod:`benchmarks.gpu.decode`'s
+``graph_replay_with_lm_head_ms``), replays back to back, replays
 each followed by the greedy kernels (argmax + advance: what a greedy round runs),
 the same loop over 256 steps (first and last 32 apart, for clock drift), and a
 whole round through ``execute_step``. GPU clocks and power come from NVML where
@@ -21,6 +23,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu.decode_workload import MAX_MODEL_LEN, PROMPT_LEN, make_checkpoint, random_prompts
+from benchmarks.gpu.stage_harness import StageHarness
+from benchmarks.harness import add_run_args
+
 
 def _events(n: int) -> list[torch.cuda.Event]:
     return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -33,9 +39,9 @@ def _nvml() -> dict[str, Any]:
         return {"nvml": str(e)}
 
 
-def probe_batch(h: Any, batch: int) -> dict[str, Any]:
-    from raypp.bench.gpu_decode import PROMPT_LEN, random_prompts
-    from raypp.executor.decode_loop_cuda import EMPTY_KEY, greedy_step
+def probe_batch(h: StageHarness, batch: int) -> dict[str, Any]:
+    """The probe's timings at ``batch`` (see the module docstring)."""
+    from raypp.kernels.sampling import EMPTY_KEY, greedy_step
 
     w = h.worker
     graphs = w.decode_graphs
@@ -100,13 +106,13 @@ def probe_batch(h: Any, batch: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    from raypp.bench.gpu_decode import MAX_MODEL_LEN, StageHarness, make_checkpoint
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="probe_out")
-    ap.add_argument("--ckpt", default="/tmp/raypp-llama-1b-random")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.decode_loop_probe",
+                                 description=__doc__.split("\n")[0])
+    add_run_args(ap, out_default="probe_out")
+    ap.add_argument("--ckpt", default="/tmp/raypp-llama-1b-random",
+                    help="the decode benchmark's checkpoint (built here if missing)")
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.ckpt)

@@ -1,16 +1,19 @@
 """Batch-1 projections: raypp's Triton GEMV (with and without programmatic dependent
 launch) against cuBLAS, per shape and as the 16-layer chain of a decode step.
 
-    python -m raypp.bench.gemv_probe --out DIR
+    python -m benchmarks.kernels.gemv_probe --out DIR
+
+(from the repository root; formerly ``python -m raypp.bench.gemv_probe``).
 
 Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down): every
 GEMV setting in ``CONFIGS`` without PDL, the four fastest again with PDL, and
 ``F.linear`` (plus ``F.silu(gate) * up``), each as 24 launches over different weights
 in one CUDA graph. Then the layer chain without attention (norm, qkv, o, norm,
 gate/up, down; 16 layers, 1.95 GB of weights) with cuBLAS, with the GEMV at
-:func:`raypp.model.triton_decode.gemv_config`'s settings, and with the per-shape best.
-Results: benchmarks/gpu/README.md (run 7). :mod:`raypp.bench.gemm_probe` runs the same
-sweep (:func:`sweep_shape`) and chain (:func:`layer_chain`) with the decode-batch GEMM.
+:func:`raypp.kernels.tuning.gemv_config`'s settings (the running GPU's table), and with
+the per-shape best. Results: benchmarks/gpu/README.md (run 7).
+:mod:`benchmarks.kernels.gemm_probe` runs the same sweep (:func:`sweep_shape`) and chain
+(:func:`layer_chain`) with the decode-batch GEMM.
 """
 
 from __future__ import annotations
@@ -27,25 +30,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raypp.bench.gpu_decode import _time_cuda, bandwidth, log
-from raypp.model.triton_decode import gemv, rms_norm
+from benchmarks.cuda_timing import bandwidth, graph_seconds
+from benchmarks.harness import add_run_args, log
+from raypp.kernels.linear import gemv
+from raypp.kernels.norm import rms_norm
 
 HIDDEN, INTER, QKV, LAYERS = 2048, 8192, 3072, 16
 SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False),
           "gate_up": (INTER, HIDDEN, True), "down": (HIDDEN, INTER, False)}
 CONFIGS = [(bn, bk, warps) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048)
            for warps in (4, 8)]
-
-
-def _graph_seconds(fn: Callable[[], Any], reps: int) -> float:
-    """Seconds per ``fn`` call, from a CUDA graph of ``reps`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return _time_cuda(graph.replay, 20) / reps
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +74,7 @@ def sweep_shape(project: Project, m: int, n: int, k: int, gated: bool, bw_gbps: 
 
     r: dict[str, Any] = {"bytes": 2 * rows * k,
                          "ideal_us": round(2 * rows * k / bw_gbps / 1e3, 2),
-                         "cublas_us": round(1e6 * _graph_seconds(cublas, 24), 2)}
+                         "cublas_us": round(1e6 * graph_seconds(cublas, 24), 2)}
     plain: dict[tuple[int, ...], float] = {}
     for pdl in (False, True):
         configs = sorted(plain, key=plain.get)[:top] if pdl else candidates
@@ -97,7 +91,7 @@ def sweep_shape(project: Project, m: int, n: int, k: int, gated: bool, bw_gbps: 
             if err > 1e-2:
                 r[f"{cfg} pdl={pdl}"] = f"wrong: rel err {err:.3g}"
                 continue
-            t = _graph_seconds(lambda cfg=cfg, pdl=pdl:
+            t = graph_seconds(lambda cfg=cfg, pdl=pdl:
                                project(x, ws[next(turn) % len(ws)], None, gated, pdl, cfg), 24)
             if not pdl:
                 plain[cfg] = t
@@ -160,20 +154,21 @@ def layer_chain(project: Project, m: int, shapes: dict[str, Any], bw_gbps: float
 
     out: dict[str, Any] = {"rows": m, "weight_bytes": weight_bytes,
                            "ideal_us": round(weight_bytes / bw_gbps / 1e3, 1),
-                           "cublas_us": round(1e6 * _graph_seconds(lambda: run("cublas"), 1), 1)}
+                           "cublas_us": round(1e6 * graph_seconds(lambda: run("cublas"), 1), 1)}
     best = {k: tuple(v["pdl"]["config"]) for k, v in shapes.items() if "pdl" in v}
     for tag, pdl, configs in (("triton_default", False, None), ("triton_default_pdl", True, None),
                               ("triton_best_pdl", True, best)):
-        out[f"{tag}_us"] = round(1e6 * _graph_seconds(lambda p=pdl, c=configs: run("t", p, c), 1),
+        out[f"{tag}_us"] = round(1e6 * graph_seconds(lambda p=pdl, c=configs: run("t", p, c), 1),
                                  1)
     log(f"layer chain m={m}: {out}")
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gemv_probe",
+                                 description=__doc__.split("\n")[0])
+    add_run_args(ap, out_default="bench_out")
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = bandwidth()["copy_GBps"]

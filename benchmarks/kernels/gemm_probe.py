@@ -1,16 +1,18 @@
 """Decode-batch projections: raypp's split-K Triton GEMM (with and without programmatic
 dependent launch) against cuBLAS, per shape and as the 16-layer chain of a decode step.
 
-    python -m raypp.bench.gemm_probe --out DIR [--rows 64,16] [--budget-s 240]
+    python -m benchmarks.kernels.gemm_probe --out DIR [--rows 64,16] [--budget-s 240] [--seeds JSON]
+
+(from the repository root; formerly ``python -m raypp.bench.gemm_probe``).
 
 Per shape of the Llama-3.2-1B layer (qkv, o, gate/up with SiLU·mul, down) and batch
 (``--rows``): ``F.linear`` (plus ``F.silu(gate) * up``), then GEMM settings without PDL
-(:func:`raypp.model.triton_decode.gemm_config`'s first, then a grid of tile sizes, K
-splits, warps and pipeline stages until the time budget is spent), the five fastest
-again with PDL; each as 24 launches over different weights in one CUDA graph. Then the layer chain without
-attention (norm, qkv, o, norm, gate/up, down; 16 layers, 1.95 GB of weights) with
-cuBLAS, with the GEMM at ``gemm_config``'s settings and at each shape's best. Results:
-benchmarks/gpu/README.md.
+(:func:`raypp.kernels.tuning.gemm_config`'s for the running GPU first, then a grid of
+tile sizes, K splits, warps and pipeline stages until the time budget is spent), the
+five fastest again with PDL; each as 24 launches over different weights in one CUDA
+graph. Then the layer chain without attention (norm, qkv, o, norm, gate/up, down; 16
+layers, 1.95 GB of weights) with cuBLAS, with the GEMM at ``gemm_config``'s settings
+and at each shape's best. Writes ``gemm_probe.json``; results: benchmarks/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ from typing import Any
 
 import torch
 
-from raypp.bench.gemv_probe import SHAPES, layer_chain, sweep_shape
-from raypp.bench.gpu_decode import bandwidth, log
-from raypp.model.triton_decode import GemmConfig, gemm, gemm_config
+from benchmarks.cuda_timing import bandwidth
+from benchmarks.harness import add_run_args, log
+from benchmarks.kernels.gemv_probe import SHAPES, layer_chain, sweep_shape
+from raypp.kernels.linear import gemm
+from raypp.kernels.tuning import gemm_config
 
 GRID = [(bn, bk, split, warps, stages) for bn in (32, 64, 128) for bk in (64, 128, 256)
         for split in (1, 2, 4, 8) for stages in (1, 3, 4) for warps in (4, 8)]
 
 
 def _candidates(m: int, n: int, k: int, gated: bool, seeds: list[list[int]]
-                ) -> list[GemmConfig]:
+                ) -> list[tuple[int, ...]]:
     """``gemm_config``'s choice first; then each of ``seeds`` (tile and split settings,
     e.g. an earlier sweep's fastest) with every warp count and stage count; then the
     grid's settings with 8-32 KB weight tiles and 128..1024 programs, closest to 16 KB
     and 256 programs first."""
-    first = gemm_config(m, n, k, gated, torch.bfloat16)
+    # a plain tuple, as the grid's and the seeds' (results.json keys print it)
+    first = tuple(gemm_config(torch.device("cuda"), m, n, k, gated, torch.bfloat16))
     seeded = [(*seed[:3], warps, stages) for seed in seeds for stages in (1, 3, 4)
               for warps in (4, 8)]
     out = [(-1, cfg) for cfg in seeded]
@@ -65,14 +70,15 @@ def shape_sweep(m: int, bw_gbps: float, deadline: float, seeds: dict[str, Any]
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench_out")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gemm_probe",
+                                 description=__doc__.split("\n")[0])
+    add_run_args(ap, out_default="bench_out", budget_s=240.0,
+                 budget_help="seconds for the whole sweep, shared between the row counts")
     ap.add_argument("--rows", default="64,16")
-    ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--seeds", help="an earlier gemm_probe.json: its fastest settings per "
                     "shape and batch are tried first, with every warp and stage count")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -1,0 +1,1 @@
+"""Kernel sweeps: the decode GEMV / GEMM launch settings against cuBLAS."""
