@@ -10,8 +10,7 @@ only, not to every parent package. No cycle may exist among runtime imports.
 Imports under ``if TYPE_CHECKING:`` never run, but a cycle through them is a layering
 knot all the same: none may exist either.
 
-Size. No module over ``MAX_LINES`` lines, except those in ``KNOWN_LARGE`` (each
-its own ``xfail``, naming the module).
+Size. No module over ``MAX_LINES`` lines.
 
 Environment. raypp's own settings (``RAYPP_*``) are config defaults: a module
 "reads raypp settings" when it imports :mod:`raypp.envs` or names a ``"RAYPP_..."``
@@ -29,15 +28,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 450
 
-KNOWN_LARGE = {
-    "raypp.bench.multi_gpu": "raypp.bench.multi_gpu is over the limit (GPU benchmark script)",
-    "raypp.bench.gpu_decode": "raypp.bench.gpu_decode is over the limit (GPU benchmark script)",
-}
 ENV_ALLOWED = {
     "raypp.envs", "raypp.config", "raypp.logger", "raypp.entrypoints.cli",
     "raypp.entrypoints.openai.server",
@@ -189,7 +182,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
         ("raypp.entrypoints.args", False), ("raypp.entrypoints.chat", False),
         ("raypp.llm", True)]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
-    known = set(KNOWN_LARGE) | RAY_ENV_USERS
+    known = RAY_ENV_USERS
     assert known <= set(MODULES)  # every exception names a module that exists
 
 
@@ -202,16 +195,8 @@ def test_type_only_imports_add_no_cycle():
 
 
 def test_modules_are_small():
-    large = {m: _lines(m) for m in MODULES if m not in KNOWN_LARGE and _lines(m) > MAX_LINES}
+    large = {m: _lines(m) for m in MODULES if _lines(m) > MAX_LINES}
     assert large == {}
-
-
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=reason), id=m)
-    for m, reason in KNOWN_LARGE.items()
-])
-def test_known_large_module_is_small(module):
-    assert _lines(module) <= MAX_LINES
 
 
 def test_raypp_settings_are_read_only_where_config_is_made():
