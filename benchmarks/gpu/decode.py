@@ -68,6 +68,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                  sections=True)
     ap.add_argument("--ckpt", default="/tmp/raypp-llama-1b-random",
                     help="where the random-weight checkpoint is built")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="the engine sections' batch sizes (comma-separated)")
+    ap.add_argument("--decode-steps", default=",".join(map(str, DECODE_STEPS)),
+                    help="the engine section's decode steps per round trip (comma-separated)")
     return ap
 
 
@@ -91,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = Path(args.ckpt)
     r["checkpoint"] = run.section("checkpoint", lambda: make_checkpoint(ckpt))
     weight_bytes = (r["checkpoint"] or {}).get("weight_bytes", 2 * 1_235_814_400)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    steps = tuple(int(k) for k in args.decode_steps.split(","))
     r["raypp_engine"] = run.section("raypp_engine", lambda: raypp_engine_bench(
-        ckpt, BATCHES, run), 60)
+        ckpt, batches, run, decode_steps=steps), 60)
     bf16 = (r["raypp_engine"] or {}).pop("check", None)
     r["raypp_engine_direct"] = run.section("raypp_engine_direct", lambda: raypp_engine_bench(
         ckpt, SYNC_AB_BATCHES, run, "direct", DECODE_STEPS[-2:]), 60)

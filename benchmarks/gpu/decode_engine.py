@@ -102,13 +102,13 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
                     continue
                 engine.config.scheduler.num_decode_steps = k
                 prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
-                results[key] = _engine_run(engine, prompts, params, f"{control_plane}{key}")
+                results[key] = engine_run(engine, prompts, params, f"{control_plane}{key}")
                 log(f"raypp engine ({control_plane}) {key}: {results[key]}")
                 if (control_plane == "cgraph" and k == SYNC_AB_STEPS and batch in SYNC_AB_BATCHES
                         and run.left() >= 20):
                     # A/B: each round submitted only after the previous one's result is read
                     engine.config.scheduler.async_scheduling = False
-                    sync = _engine_run(engine, prompts, params, f"{control_plane}{key}sync")
+                    sync = engine_run(engine, prompts, params, f"{control_plane}{key}sync")
                     engine.config.scheduler.async_scheduling = True
                     results[f"{key}_sync"] = sync
                     log(f"raypp engine ({control_plane}) {key}_sync: {sync}")
@@ -118,7 +118,7 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
     return results
 
 
-def _engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
+def engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, params)
