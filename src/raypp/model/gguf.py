@@ -57,7 +57,10 @@ def _read_config(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
     try:
         config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
     except (ValueError, KeyError, NotImplementedError) as e:
-        raise ValueError(f"GGUF file {path!r}: transformers cannot read it: {e}") from e
+        from raypp.model.registry import SUPPORTED_ARCHITECTURES
+
+        raise ValueError(f"GGUF file {path!r}: transformers cannot read it ({e}); raypp supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}") from e
     return config.to_dict()
 
 
@@ -117,7 +120,7 @@ def load_gguf_weights(model: StageModel, path: str) -> Any:
     reader = _reader(path)
     arch = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.cfg)
-    hf_names = _hf_names(model.cfg, processor)
+    hf_names = _hf_names(model.cfg, arch, processor)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     report = LoadReport()
@@ -128,7 +131,7 @@ def load_gguf_weights(model: StageModel, path: str) -> Any:
             continue
         weights = gguf.dequantize(tensor.data, tensor.tensor_type)
         weights = processor.process(weights=weights, name=tensor.name).weights
-        value = torch.from_numpy(np.ascontiguousarray(weights))
+        value = torch.from_numpy(np.copy(weights))  # dequantize may return the read-only map
         for target, shard in targets:
             param = params[target]
             with torch.no_grad():
@@ -142,13 +145,29 @@ def load_gguf_weights(model: StageModel, path: str) -> Any:
     return report
 
 
-def _hf_names(cfg: dict[str, Any], processor: Any) -> dict[str, str]:
-    """GGUF tensor name → Hugging Face parameter name, as transformers maps them: from the
-    parameters of the transformers model this config builds (on the meta device)."""
+def _hf_names(cfg: dict[str, Any], arch: str, processor: Any) -> dict[str, str]:
+    """GGUF tensor name → Hugging Face parameter name, as transformers'
+    ``get_gguf_hf_weights_map`` maps them: each parameter of the transformers model this
+    config builds (on the meta device) through the ``gguf`` package's tensor-name map of
+    the file's architecture. (Only the model's own names: transformers' function also
+    walks every submodule, which a plain decoder does not need and which takes seconds.)"""
+    import gguf
     import transformers
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(config)
-    return get_gguf_hf_weights_map(hf_model, processor)
+    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise ValueError(f"the gguf package ({_gguf_version()}) does not know GGUF architecture "
+                         f"{arch!r}")
+    name_map = gguf.get_tensor_name_map(arch_id, int(cfg["num_hidden_layers"]))
+    out = {}
+    for hf_name in hf_model.state_dict():
+        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = f"{base}{dot}{suffix}", "", ""
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            out[f"{gguf_name}{dot}{suffix}"] = hf_name
+    return out
