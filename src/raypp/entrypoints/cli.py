@@ -95,7 +95,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 _DEMO_QUESTIONS = ["What is the capital of France?",
-                   "Give me one tip for writing readable Python code."]
+                   "Name the three primary colors."]
 
 
 def _run_generate(args: argparse.Namespace) -> int:
