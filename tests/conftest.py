@@ -93,7 +93,8 @@ def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6-layer Gemma 3 (text): sliding (11-token window, rotary base 10k) and global layers
     (base 1M, linear rope scaling ×2) interleaved unevenly, head_dim 24 (96 ≠ hidden 64),
-    query_pre_attn_scalar 20 (≠ head_dim), tied embeddings."""
+    query_pre_attn_scalar 20 (≠ head_dim), tied embeddings, logits soft-capped at 50 (its
+    raw logits reach about 70)."""
     from raypp.testing.tiny_model import make_tiny_model
 
     return make_tiny_model(
@@ -101,4 +102,4 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         sliding_window=11, seed=5, tie_word_embeddings=True, rope_theta=1_000_000.0,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         extra_config={"query_pre_attn_scalar": 20, "rope_local_base_freq": 10_000.0,
-                      "layer_types": GEMMA3_LAYER_TYPES})
+                      "layer_types": GEMMA3_LAYER_TYPES, "final_logit_softcapping": 50.0})

@@ -338,12 +338,14 @@ def test_family_bf16_matches_transformers(request, ray_cluster, family, max_num_
     """bf16 end to end (graphs, 4 decode steps per call), teacher-forced on raypp's tokens:
     raypp's top-5 logprobs are as close to transformers' fp32 as transformers' own bf16
     logprobs are (relative error at most 1.5x theirs, plus 1e-3), and every greedy token
-    is transformers' bf16 choice or within 0.15 nats of it."""
+    is transformers' bf16 choice or within ``tie`` nats of it: 0.15, and 0.5 for Gemma 3,
+    whose logits reach 50 where bf16 rounds to steps of 0.25."""
     import transformers
 
     from raypp import LLM, SamplingParams
 
     model_dir = str(request.getfixturevalue(family))
+    tie = 0.5 if family == "tiny_gemma3" else 0.15
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     with LLM(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
              max_num_seqs=max_num_seqs, num_decode_steps=4) as llm:
@@ -364,7 +366,7 @@ def test_family_bf16_matches_transformers(request, ray_cluster, family, max_num_
     ours, theirs, norm = 0.0, 0.0, 0.0
     for out, ref_half, ref in zip(outs, half, full, strict=True):
         for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            assert ref_half[i, tok] >= ref_half[i].max() - 0.15, (i, tok, ref_half[i].argmax())
+            assert ref_half[i, tok] >= ref_half[i].max() - tie, (i, tok, ref_half[i].argmax())
             for tid, lp in top.items():
                 ours += (lp.logprob - ref[i, tid].item()) ** 2
                 theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hf_reference import hf_greedy
 
 from raypp import LLM, SamplingParams
@@ -40,6 +41,7 @@ def test_smollm2_gguf_matches_transformers(ray_cluster, smollm2, pp):
     source = smollm2.parent if pp == 2 else smollm2
     with LLM(str(source), pipeline_parallel_size=pp) as llm:
         assert llm.engine.config.model.architecture == "LlamaForCausalLM"
+        assert llm.engine.config.model.torch_dtype == torch.float32  # dtype "auto" on GGUF
         prompts = _prompts(llm.get_tokenizer())
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
