@@ -61,7 +61,10 @@ def test_family_matches_transformers(request, ray_cluster, family, tp, pp, parti
     assert len(info) == tp * pp
     layers = sorted({tuple(i["layers"]) for i in info})
     sizes = [int(n) for n in (partition or "6").split(",")]
-    assert [b - a for a, b in layers] == sizes
+    assert [b - a for a, b in layers] == sizes  # each stage built only its layers
+    for stage in layers:  # and each TP rank read only its slice of them (norms replicated)
+        read = [i["bytes_read"] for i in info if tuple(i["layers"]) == stage]
+        assert len(read) == tp and max(read) < (0.75 if tp > 1 else 1.01) * sum(read)
     if chunk:
         assert steps > MAX_NEW + 2  # the long prompts took several prefill steps
 
