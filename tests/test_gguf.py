@@ -66,6 +66,18 @@ def test_smollm2_gguf_matches_transformers(ray_cluster, smollm2, pp):
         assert max(s["bytes_read"] for s in info) < 0.75 * total
 
 
+def test_make_demo_answers_paris(ray_cluster, smollm2, capsys):
+    """``make demo`` (``raypp generate --demo -pp 2``): the demo questions go through the
+    chat template and the first answer names Paris."""
+    from raypp.entrypoints.cli import main
+
+    assert main(["generate", "--demo", "--pipeline-parallel-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    question, answer = printed.split("\n")[:2]
+    assert question == "--- user: What is the capital of France?"
+    assert answer.startswith("assistant: ") and "Paris" in answer
+
+
 def _write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]]) -> Path:
     import gguf
 
