@@ -21,6 +21,8 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+
+
 @dataclass
 class ModelConfig:
     """A checkpoint and how to run it: a Hugging Face–format directory (``config.json``,
