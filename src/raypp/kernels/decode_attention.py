@@ -4,7 +4,9 @@
 attention of q over the cached context plus this step's k/v (taken from registers, so
 no program reads a slot another one is writing), split over the context like
 :func:`raypp.kernels.attention.paged_decode`; the last split of each (sequence, kv
-head) to finish combines the splits (an arrival counter, no second launch). It is also
+head) to finish combines the splits (an arrival counter, no second launch). With a sliding
+``window`` the query sees only the last ``window`` tokens of its context, this step's
+included, and the splits cover only that span. It is also
 the custom op ``torch.ops.raypp.rope_decode_attention`` that the Triton attention
 backend calls for decode-only steps (``torch.compile`` treats it as one opaque call).
 """
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raypp.kernels.attention import _attend_pages, _pad, _write_split, num_splits
+from raypp.kernels.attention import _attend_pages, _pad, _write_split, attended_span, num_splits
 from raypp.kernels.counters import split_counters
 from raypp.kernels.tuning import decode_launch, pdl_supported
 
@@ -24,12 +26,12 @@ from raypp.kernels.tuning import decode_launch, pdl_supported
 def _rope_decode_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    counter_ptr, scale, part_tokens, num_splits, stride_qkv, stride_rope, stride_bt, stride_ot,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    counter_ptr, scale, part_tokens, num_splits, window, stride_qkv, stride_rope, stride_bt,
+    stride_ot, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
     SPLITS_P2: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr, SINGLE: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -52,8 +54,12 @@ def _rope_decode_kernel(
     sin = tl.load(sin_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
     cos = cos.to(dtype).to(tl.float32)  # the tables in the model dtype, as the unfused path
     sin = tl.where(offs_d < half, -1.0, 1.0) * sin.to(dtype).to(tl.float32)
+    # the splits cover [lo, seq_len): the whole context, or a sliding window's span of it
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
     if PDL:  # this split's first cached tokens, into L2 while the previous kernel drains
-        first = split * part_tokens
+        first = lo + split * part_tokens
         _prefetch_pages(key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt,
                         first, tl.minimum(first + BLOCK, seq_len - 1), kv_head, NUM_KV_HEADS,
                         HEAD_DIM, BLOCK_SIZE, BLOCK, LINES, LINE)
@@ -77,16 +83,16 @@ def _rope_decode_kernel(
         tl.store(value_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, v_new,
                  mask=d_mask)
 
-    # the context cached before this step: [0, seq_len - 1), this split's part of it
+    # the context cached before this step: [lo, seq_len - 1), this split's part of it
     cached = seq_len - 1
-    start = split * part_tokens
+    start = lo + split * part_tokens
     end = tl.minimum(start + part_tokens, cached)
     table = block_tables_ptr + seq * stride_bt
     m_i, l_i, acc = _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end,
                                   kv_head, scale, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, DIM_PAD,
                                   BLOCK_SIZE, BLOCK, IEEE)
     # this step's token, in the split whose range holds its index
-    if (seq_len > 0) & (split == cached // part_tokens):
+    if (seq_len > 0) & (split == (cached - lo) // part_tokens):
         s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp(m_i - m_new)
@@ -151,18 +157,20 @@ def _prefetch_pages(key_cache_ptr, value_cache_ptr, table, start, end, kv_head,
 def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-                          scale: float, pdl: bool, splits: int | None = None) -> torch.Tensor:
+                          scale: float, pdl: bool, splits: int | None = None,
+                          window: int | None = None) -> torch.Tensor:
     """A layer's decode step from its qkv projection ``[seqs, (heads + 2 kv_heads) * dim]``:
     neox rotary at ``positions`` (tables ``cos``/``sin`` ``[max_pos, dim]``), k/v written
     at ``slot_mapping`` (negative: skipped), attention over ``seq_lens`` tokens (this
-    step's included; 0: a padding row, zeros out). Returns ``[seqs, heads * dim]``.
-    ``splits`` overrides :func:`num_splits`'s choice."""
+    step's included; 0: a padding row, zeros out), or over the last ``window`` of them
+    (a sliding window). Returns ``[seqs, heads * dim]``. ``splits`` overrides
+    :func:`num_splits`'s choice."""
     seqs = qkv.shape[0]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     assert qkv.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     out = torch.empty(seqs, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    max_tokens = block_tables.shape[1] * block_size
+    max_tokens = attended_span(block_tables.shape[1] * block_size, window)
     splits = splits or num_splits(seqs, num_kv_heads, max_tokens, qkv.device)
     launch = decode_launch(qkv.device, seqs)
     part_tokens = -(-max_tokens // splits)
@@ -179,7 +187,7 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         counters = split_counters(qkv.device, seqs * num_kv_heads)
     _rope_decode_kernel[(seqs, num_kv_heads, splits)](
         qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-        out, part_out, part_max, part_sum, counters, scale, part_tokens, splits,
+        out, part_out, part_max, part_sum, counters, scale, part_tokens, splits, window or 0,
         qkv.stride(0), cos.stride(0), block_tables.stride(0), out.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
         GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -188,7 +196,7 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         LINES=triton.next_power_of_2(-(-head_dim * key_cache.element_size() // 128)),
         LINE=128 // key_cache.element_size(),
         SINGLE=single,
-        IEEE=qkv.dtype == torch.float32, PDL=pdl,
+        IEEE=qkv.dtype == torch.float32, PDL=pdl, SLIDING=bool(window),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl)
     return out
 
@@ -200,13 +208,15 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
 def rope_decode_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                              sin: torch.Tensor, kv_cache: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                             seq_lens: torch.Tensor, num_heads: int, scale: float
-                             ) -> torch.Tensor:
-    """:func:`rope_decode_attention` with PDL where the GPU has it."""
+                             seq_lens: torch.Tensor, num_heads: int, scale: float,
+                             window: int = 0) -> torch.Tensor:
+    """:func:`rope_decode_attention` with PDL where the GPU has it (``window`` 0: none)."""
     return rope_decode_attention(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables,
-                                 seq_lens, num_heads, scale, pdl_supported(qkv.device))
+                                 seq_lens, num_heads, scale, pdl_supported(qkv.device),
+                                 window=window or None)
 
 
 @rope_decode_attention_op.register_fake
-def _(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, num_heads, scale):
+def _(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, num_heads, scale,
+      window=0):
     return qkv.new_empty((qkv.shape[0], num_heads * kv_cache.shape[-1]))

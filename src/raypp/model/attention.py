@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, with its backend chosen once when the model is built.
 
 :class:`PagedAttention` takes a layer's fused qkv projection and does the rest of
-attention: rotary on q and k, the KV-cache store, and attention of each query over
-its sequence's cached context. Two backends compute the same function:
+attention: an optional per-head norm of q and k, rotary on q and k, the KV-cache store,
+and attention of each query over its sequence's cached context, or over the last
+``sliding_window`` tokens of it. Two backends compute the same function:
 
 - ``"torch"`` (any device; the CPU path): plain PyTorch, SDPA over gathered blocks.
 - ``"triton"`` (CUDA): :mod:`raypp.kernels` — one fused launch for decode-only
@@ -51,21 +52,35 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Rotary, KV store and attention of one layer, from its qkv projection.
+    """(q/k norm,) rotary, KV store and attention of one layer, from its qkv projection.
 
     Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     ``forward`` returns ``[tokens, num_heads * head_dim]``.
+
+    Options a family may set: ``scale`` (default ``head_dim ** -0.5``);
+    ``sliding_window``: a query attends only to the last ``sliding_window`` positions up
+    to and including its own (prefill, chunked prefill and decode alike; the cache still
+    keeps every token); ``q_norm``/``k_norm``: modules applied to each q and k head
+    (``[..., head_dim]``) before rotary, both or neither.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, backend: str, scale: float | None = None):
+                 rotary: RotaryEmbedding, backend: str, scale: float | None = None,
+                 sliding_window: int | None = None, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window!r}")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rotary = rotary
         self.backend = backend
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -73,16 +88,27 @@ class PagedAttention(nn.Module):
         if self.backend == "triton" and meta.decode_only:
             from raypp.kernels.decode_attention import rope_decode_attention_op
 
+            if self.q_norm is not None:
+                qkv = self.normalize_qk(qkv)
             return rope_decode_attention_op(
                 qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale)
+                meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale,
+                self.sliding_window or 0)
         q, k, v = self.split_heads(qkv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.backend == "triton":
             from raypp.kernels.attention import paged_attention
 
-            return paged_attention(q, k, v, kv_cache, meta, self.scale)
+            return paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self._torch_attention(q, k, v, kv_cache, meta)
+
+    def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` with each q and k head normalized (a new tensor, same layout)."""
+        q, k, v = self.split_heads(qkv)
+        return torch.cat((self.q_norm(q).flatten(1), self.k_norm(k).flatten(1), v.flatten(1)),
+                         dim=-1)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q [tokens, heads, dim]``, ``k`` and ``v [tokens, kv_heads, dim]`` (views)."""
@@ -114,7 +140,10 @@ class PagedAttention(nn.Module):
         length = max_blocks * block_size
         keys = key_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
         values = value_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
-        mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens_tensor[:, None]
+        pos = torch.arange(length, device=q.device)[None, :]
+        mask = pos < meta.seq_lens_tensor[:, None]
+        if self.sliding_window is not None:
+            mask = mask & (pos >= meta.seq_lens_tensor[:, None] - self.sliding_window)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [seqs, heads, 1, dim]
             keys.transpose(1, 2),
@@ -142,11 +171,15 @@ class PagedAttention(nn.Module):
         # q: [q_len, heads, dim] are the last q_len positions of a seq_len context.
         q_len = q.shape[0]
         gqa = self.num_heads != self.num_kv_heads
-        if q_len == seq_len:
+        window = self.sliding_window
+        if q_len == seq_len and window is None:
             mask, causal = None, True
         else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            kv_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = kv_pos <= q_pos
+            if window is not None:
+                mask = mask & (kv_pos > q_pos - window)
             causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

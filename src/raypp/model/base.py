@@ -10,6 +10,12 @@ import torch
 from torch import nn
 
 
+def layer_window(sliding_window: int | None, layer_types: list[str], index: int) -> int | None:
+    """The sliding window of global layer ``index``: ``sliding_window`` where its type is
+    ``"sliding_attention"`` (transformers' ``layer_types``), else ``None`` (full attention)."""
+    return sliding_window if layer_types[index] == "sliding_attention" else None
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """Which global layers ``[start, end)`` a stage owns, and its ends."""
@@ -32,7 +38,8 @@ class StageModel(nn.Module):
       residual=None) -> (hidden, residual or None)``: token ids on the first stage,
       the previous stage's pair otherwise; the last stage returns final normalized
       hidden states and ``None``;
-    - :meth:`compute_logits` and :meth:`checkpoint_names`;
+    - :meth:`compute_logits` and :meth:`checkpoint_names` (the default maps the Hugging
+      Face decoder layout, configured by :attr:`stacked_params` and :attr:`renamed_params`);
     - optionally a fused decode chain for CUDA graphs of small decode batches
       (:meth:`fused_decode_unsupported` returning ``None``, and
       ``fused_decode_forward``, whose arguments are those of
@@ -40,15 +47,48 @@ class StageModel(nn.Module):
     """
 
     stage: StageSpec
+    cfg: dict  # the checkpoint's config (config.json, or what a GGUF file's metadata gives)
+    tie_word_embeddings: bool = False
     fused_decode_max_rows: int = 0  # the largest batch fused_decode_forward serves
+    # checkpoint sub-name → (our fused parameter, shard id)
+    stacked_params: dict[str, tuple[str, object]] = {}
+    # checkpoint sub-name → ours, for parameters that live under another module here
+    renamed_params: dict[str, str] = {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler upcasts where it needs to)."""
         return self.lm_head.logits(hidden)
 
     def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
-        """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
-        raise NotImplementedError
+        """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip).
+
+        The Hugging Face decoder layout: ``model.embed_tokens`` (first stage, and the LM
+        head of the last when embeddings are tied), ``model.layers.<i>.…`` (the stage's
+        layers only; :attr:`stacked_params` go into fused parameters,
+        :attr:`renamed_params` under another module), ``model.norm`` and ``lm_head``
+        (last stage). Anything else (e.g. rotary ``inv_freq`` buffers) is skipped.
+        """
+        if name == "lm_head.weight":
+            return [("lm_head.weight", None)] if self.stage.is_last else []
+        if name == "model.embed_tokens.weight":
+            out = [(name, None)] if self.stage.is_first else []
+            if self.stage.is_last and self.tie_word_embeddings:
+                out.append(("lm_head.weight", None))
+            return out
+        if name.startswith("model.norm."):
+            return [(name, None)] if self.stage.is_last else []
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if not self.stage.start <= layer < self.stage.end:
+                return []
+            for sub, (fused, shard) in self.stacked_params.items():
+                if f".{sub}." in name:
+                    return [(name.replace(f".{sub}.", f".{fused}."), shard)]
+            for sub, ours in self.renamed_params.items():
+                if f".{sub}." in name:
+                    return [(name.replace(f".{sub}.", f".{ours}."), None)]
+            return [(name, None)]
+        return []
 
     def kv_cache_layout(self) -> tuple[int, int]:
         """``(kv heads on this worker, head_dim)`` of every layer of this stage."""

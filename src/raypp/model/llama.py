@@ -1,9 +1,15 @@
-"""Llama-family decoder (Llama, Qwen2) holding only one pipeline stage's layers.
+"""Llama-family decoder (Llama, Qwen2; Mistral and Qwen3 build on it) holding only one
+pipeline stage's layers.
 
 Layers a stage does not own are absent, not zero: their parameters are never
 allocated or read. The first stage owns the embedding, the last the final norm
 and LM head. Parameter names match Hugging Face checkpoints
 (``model.layers.<global index>.…``) so the loader maps names one to one.
+
+A layer may have a sliding attention window and a per-head q/k RMSNorm
+(:class:`DecoderLayer`'s options); a family that uses them is a subclass choosing them
+per layer in :meth:`LlamaStageModel.make_layer`. Without them the computation is
+Llama's, unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ FUSED_DECODE_MAX_ROWS = 64  # raypp.kernels.linear.GEMM_MAX_ROWS (not imported: 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype, backend: str):
+    """One Llama layer; ``sliding_window`` and ``qk_norm`` (a per-head RMSNorm of q and k
+    before rotary, Qwen3's) are off for Llama and Qwen2."""
+
+    def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype, backend: str,
+                 sliding_window: int | None = None, qk_norm: bool = False):
         super().__init__()
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -41,7 +51,7 @@ class DecoderLayer(nn.Module):
         qwen2 = cfg.get("model_type") == "qwen2"  # Qwen2: bias on q/k/v only
         self.self_attn = Attention(
             cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype,
-            backend
+            backend, sliding_window, qk_norm
         )
         self.mlp = MLP(hidden, cfg["intermediate_size"], tp, dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -62,7 +72,8 @@ class DecoderLayer(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, cfg: dict, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype, backend: str):
+                 qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype, backend: str,
+                 sliding_window: int | None = None, qk_norm: bool = False):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, o_bias, tp, dtype)
@@ -72,7 +83,12 @@ class Attention(nn.Module):
         theta, scaling = rope_settings(cfg)
         rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 2048), theta,
                                  scaling)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, rotary, backend)
+        norms = {}
+        if qk_norm:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            norms = {"q_norm": RMSNorm(head_dim, eps, dtype), "k_norm": RMSNorm(head_dim, eps, dtype)}
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, rotary, backend,
+                                   sliding_window=sliding_window, **norms)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -114,7 +130,6 @@ class LlamaStageModel(StageModel):
     """
 
     fused_decode_max_rows = FUSED_DECODE_MAX_ROWS
-    # checkpoint sub-name → (our fused parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -134,7 +149,7 @@ class LlamaStageModel(StageModel):
         if stage.is_first:
             self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp, dtype)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, tp, dtype, attention_backend)
+            {str(i): self.make_layer(cfg, i, tp, dtype, attention_backend)
              for i in range(stage.start, stage.end)}
         )
         if stage.is_last:
@@ -160,26 +175,10 @@ class LlamaStageModel(StageModel):
             return hidden_states, None
         return hidden_states, residual
 
-    def checkpoint_names(self, name: str) -> list[tuple[str, str, object]]:
-        """Map a checkpoint tensor name to ``(our param name, shard)`` pairs (empty: skip)."""
-        if name == "lm_head.weight":
-            return [("lm_head.weight", None)] if self.stage.is_last else []
-        if name == "model.embed_tokens.weight":
-            out = [(name, None)] if self.stage.is_first else []
-            if self.stage.is_last and self.tie_word_embeddings:
-                out.append(("lm_head.weight", None))
-            return out
-        if name.startswith("model.norm."):
-            return [(name, None)] if self.stage.is_last else []
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            if not self.stage.start <= layer < self.stage.end:
-                return []
-            for sub, (fused, shard) in self.stacked_params.items():
-                if f".{sub}." in name:
-                    return [(name.replace(f".{sub}.", f".{fused}."), shard)]
-            return [(name, None)]
-        return []  # e.g. rotary inv_freq buffers stored by old checkpoints
+    def make_layer(self, cfg: dict, index: int, tp: TPContext, dtype: torch.dtype,
+                   backend: str) -> DecoderLayer:
+        """Global layer ``index`` of this family (a subclass picks its options)."""
+        return DecoderLayer(cfg, tp, dtype, backend)
 
     # -- the fused decode chain (CUDA graphs of small decode batches) ----------------------
     def fused_decode_unsupported(self) -> str | None:
@@ -202,6 +201,9 @@ class LlamaStageModel(StageModel):
             add+RMSNorm → qkv → rotary + KV store + attention → o → add+RMSNorm
             → gate/up with SiLU·mul → down
 
+        (a layer with a q/k norm adds one launch after qkv, normalizing its q and k heads
+        in place; a sliding window is the attention kernel's).
+
         The projections are GEMVs at batch 1 and tensor-core GEMMs split over K above.
         On Hopper every kernel is launched with programmatic dependent launch, so it
         loads its first weights while the previous one drains: a small decode batch
@@ -211,7 +213,7 @@ class LlamaStageModel(StageModel):
         """
         from raypp.kernels.decode_attention import rope_decode_attention
         from raypp.kernels.linear import linear
-        from raypp.kernels.norm import rms_norm
+        from raypp.kernels.norm import head_rms_norm_, rms_norm
         from raypp.kernels.tuning import pdl_supported
 
         assert positions.shape[0] <= FUSED_DECODE_MAX_ROWS
@@ -232,10 +234,14 @@ class LlamaStageModel(StageModel):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, residual = norm_linear(hidden, residual, layer.input_layernorm,
                                         attn.qkv_proj.weight, attn.qkv_proj.bias, False)
-            rotary = attn.attn.rotary
+            paged = attn.attn
+            if paged.q_norm is not None:
+                head_rms_norm_(qkv, paged.q_norm.weight, paged.k_norm.weight, paged.q_norm.eps,
+                               attn.num_heads, attn.num_kv_heads, pdl)
+            rotary = paged.rotary
             out = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, cache,
                                         slot_mapping, block_tables, seq_lens, attn.num_heads,
-                                        attn.attn.scale, pdl)
+                                        paged.scale, pdl, window=paged.sliding_window)
             out = linear(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
             act, residual = norm_linear(out, residual, layer.post_attention_layernorm,
                                         mlp.gate_up_proj.weight, None, True)

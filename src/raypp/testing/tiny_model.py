@@ -6,6 +6,9 @@ sharded with an index), and a ``tokenizer.json`` trained with ``tokenizers`` on
 ``data/corpus.txt`` (an excerpt of the CPython documentation, PSF licence).
 Weights are drawn large enough that every layer changes the argmax: with tiny
 default init a model merely echoes its input and tests could not fail.
+
+Families: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``gemma3`` (text), each
+built by transformers' own config and model classes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ _SPECIAL = ["<s>", "</s>", "<pad>"]
 
 @dataclass
 class TinyModelSpec:
-    architecture: str = "llama"  # "llama" | "qwen2"
+    architecture: str = "llama"  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3"
     vocab_size: int = 384
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -35,7 +38,19 @@ class TinyModelSpec:
     seed: int = 0
     max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
     dtype: str = "float32"
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    sliding_window: int | None = None  # mistral, qwen3 (with use_sliding_window), gemma3
     extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+# architecture → (transformers config class, model class) names
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
 
 
 def train_tokenizer(vocab_size: int) -> Any:
@@ -86,17 +101,17 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, **overr
     )
     if spec.rope_scaling is not None:
         common["rope_scaling"] = spec.rope_scaling
-    if spec.architecture == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForCausalLM
-    elif spec.architecture == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model_cls = transformers.Qwen2ForCausalLM
-    else:
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
+    if spec.sliding_window is not None:
+        common["sliding_window"] = spec.sliding_window
+    if spec.architecture not in _FAMILIES:
         raise ValueError(f"unknown tiny architecture {spec.architecture!r}")
+    config_name, model_name = _FAMILIES[spec.architecture]
+    config = getattr(transformers, config_name)(**common)
     torch.manual_seed(spec.seed)
-    model = model_cls(config)
-    _init_weights(model, spec.seed)
+    model = getattr(transformers, model_name)(config)
+    _init_weights(model, spec.seed, gemma_norms=spec.architecture == "gemma3")
     model = model.to(getattr(torch, spec.dtype))
     kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(path, **kwargs)
@@ -105,14 +120,16 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, **overr
     return path
 
 
-def _init_weights(model: Any, seed: int) -> None:
+def _init_weights(model: Any, seed: int, gemma_norms: bool = False) -> None:
+    """Random weights that matter (see the module docstring); Gemma's norms scale by
+    ``1 + w``, so theirs are drawn around 0 rather than 1."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+                param.copy_((0 if gemma_norms else 1) + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name:

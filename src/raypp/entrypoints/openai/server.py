@@ -21,8 +21,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """``raypp serve [MODEL] [--demo] …`` (called by the CLI)."""
     parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face–format model directory")
-    parser.add_argument("--demo", action="store_true", help="serve the bundled demo model")
+                        help="Hugging Face–format model directory, or a .gguf file")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the demo model (SmolLM2-135M-Instruct, fetched once)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
