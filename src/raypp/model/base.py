@@ -43,7 +43,9 @@ class StageModel(nn.Module):
     - optionally a fused decode chain for CUDA graphs of small decode batches
       (:meth:`fused_decode_unsupported` returning ``None``, and
       ``fused_decode_forward``, whose arguments are those of
-      :func:`raypp.worker.cuda_graphs.decode_forward` after the model).
+      :func:`raypp.worker.cuda_graphs.decode_forward` after the model);
+    - :meth:`decode_graphs_unsupported` where its forward cannot be captured in a CUDA
+      graph on its device (the worker then runs the stage eagerly).
     """
 
     stage: StageSpec
@@ -102,3 +104,8 @@ class StageModel(nn.Module):
     def fused_decode_unsupported(self) -> str | None:
         """Why this stage has no fused decode chain (``None``: it has one)."""
         return f"{type(self).__name__} declares no fused decode chain"
+
+    def decode_graphs_unsupported(self) -> str | None:
+        """Why this stage's decode forward cannot be captured in a CUDA graph (``None``: it
+        can; the default, as the forward waits for the host nowhere)."""
+        return None

@@ -38,10 +38,12 @@ FUSED_DECODE_MAX_ROWS = 64  # raypp.kernels.linear.GEMM_MAX_ROWS (not imported: 
 
 class DecoderLayer(nn.Module):
     """One Llama layer; ``sliding_window`` and ``qk_norm`` (a per-head RMSNorm of q and k
-    before rotary, Qwen3's) are off for Llama and Qwen2."""
+    before rotary, Qwen3's) are off for Llama and Qwen2. ``mlp`` replaces the dense gated
+    MLP (a mixture-of-experts block maps ``[tokens, hidden]`` to the same)."""
 
     def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype, backend: str,
-                 sliding_window: int | None = None, qk_norm: bool = False):
+                 sliding_window: int | None = None, qk_norm: bool = False,
+                 mlp: nn.Module | None = None):
         super().__init__()
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -53,7 +55,7 @@ class DecoderLayer(nn.Module):
             cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype,
             backend, sliding_window, qk_norm
         )
-        self.mlp = MLP(hidden, cfg["intermediate_size"], tp, dtype)
+        self.mlp = mlp if mlp is not None else MLP(hidden, cfg["intermediate_size"], tp, dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)

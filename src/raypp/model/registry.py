@@ -6,7 +6,9 @@ from raypp.model.base import StageModel
 from raypp.model.gemma3 import Gemma3StageModel
 from raypp.model.llama import LlamaStageModel
 from raypp.model.mistral import MistralStageModel
+from raypp.model.mixtral import MixtralStageModel
 from raypp.model.qwen3 import Qwen3StageModel
+from raypp.model.qwen3_moe import Qwen3MoeStageModel
 
 _MODELS: dict[str, type[StageModel]] = {
     "LlamaForCausalLM": LlamaStageModel,
@@ -14,6 +16,8 @@ _MODELS: dict[str, type[StageModel]] = {
     "Qwen3ForCausalLM": Qwen3StageModel,
     "MistralForCausalLM": MistralStageModel,
     "Gemma3ForCausalLM": Gemma3StageModel,
+    "Qwen3MoeForCausalLM": Qwen3MoeStageModel,
+    "MixtralForCausalLM": MixtralStageModel,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

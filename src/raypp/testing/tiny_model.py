@@ -7,8 +7,11 @@ sharded with an index), and a ``tokenizer.json`` trained with ``tokenizers`` on
 Weights are drawn large enough that every layer changes the argmax: with tiny
 default init a model merely echoes its input and tests could not fail.
 
-Families: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``gemma3`` (text), each
-built by transformers' own config and model classes.
+Families: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma3`` (text), and the
+mixture-of-experts ``qwen3_moe`` and ``mixtral`` (their expert counts and routing come
+through ``extra_config``), each built by transformers' own config and model classes.
+``save_original_format=False`` writes transformers' in-memory layout (fused 3-D expert
+tensors) instead of the Hub's (one tensor per expert).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ _SPECIAL = ["<s>", "</s>", "<pad>"]
 
 @dataclass
 class TinyModelSpec:
-    architecture: str = "llama"  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3"
+    architecture: str = "llama"  # a key of _FAMILIES
     vocab_size: int = 384
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -41,6 +44,7 @@ class TinyModelSpec:
     head_dim: int | None = None  # None: hidden_size // num_heads
     sliding_window: int | None = None  # mistral, qwen3 (with use_sliding_window), gemma3
     extra_config: dict[str, Any] = field(default_factory=dict)
+    save_original_format: bool = True  # False: transformers' fused expert tensors
 
 
 # architecture → (transformers config class, model class) names
@@ -50,6 +54,8 @@ _FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -113,7 +119,9 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, **overr
     model = getattr(transformers, model_name)(config)
     _init_weights(model, spec.seed, gemma_norms=spec.architecture == "gemma3")
     model = model.to(getattr(torch, spec.dtype))
-    kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    kwargs: dict[str, Any] = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    if not spec.save_original_format:
+        kwargs["save_original_format"] = False
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
     _drop_generation_defaults(path)

@@ -116,6 +116,7 @@ class StageWorker:
             "layers": [self.stage.start, self.stage.end],
             "checkpoint_tensors": report.names,
             "bytes_read": report.bytes_read,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
             "param_shapes": {n: list(p.shape) for n, p in self.model.named_parameters()},
         }
 
@@ -158,10 +159,15 @@ class StageWorker:
         kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
                      for _ in range(self.model.num_layers)]
         graphs = None
+        uncapturable = (self.model.decode_graphs_unsupported()
+                        if self.device.type == "cuda" and not rc.enforce_eager else None)
         if parallel_state.get_tp_group().shares_device and not rc.enforce_eager:
             logger.warning("stage %d runs eagerly: its TP ranks share a GPU, and an all-reduce "
                            "staged through host memory cannot be captured in a CUDA graph",
                            self.pp_rank)
+        elif uncapturable:
+            logger.warning("stage %d runs eagerly (no decode CUDA graphs): %s", self.pp_rank,
+                           uncapturable)
         elif self.device.type == "cuda" and not rc.enforce_eager:
             from raypp.worker.cuda_graphs import DecodeGraphs
 
