@@ -103,3 +103,47 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         extra_config={"query_pre_attn_scalar": 20, "rope_local_base_freq": 10_000.0,
                       "layer_types": GEMMA3_LAYER_TYPES, "final_logit_softcapping": 50.0})
+
+
+# -- mixture-of-experts families (tests/test_moe.py, tests/test_cuda_moe.py) ---------------
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6-layer Qwen3-MoE, every layer sparse: 8 experts of 32, top-2 renormalised
+    (``norm_topk_prob``), head_dim 24, one tensor per expert (the Hub's layout), sharded."""
+    from raypp.testing.tiny_model import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_qwen3_moe"), architecture="qwen3_moe", head_dim=24, seed=6,
+        max_shard_size="100KB",
+        extra_config={"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "norm_topk_prob": True})
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dense_first(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6-layer Qwen3-MoE whose first layer is dense (``mlp_only_layers=[0]``), with 16
+    experts of 32 on the others, top-4 without renormalisation; written in transformers'
+    fused layout (``experts.gate_up_proj`` / ``experts.down_proj``). The dense layer's MLP
+    (intermediate 1024) holds twice a sparse layer's bytes, so layers differ in size and
+    three stages split them 1, 3, 2 by bytes (an even split would be 2, 2, 2)."""
+    from raypp.testing.tiny_model import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_qwen3_moe_dense"), architecture="qwen3_moe", seed=7,
+        save_original_format=False, intermediate_size=1024,
+        extra_config={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                      "norm_topk_prob": False, "mlp_only_layers": [0]})
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6-layer Mixtral: 8 experts of 32 on every layer, top-2 (always renormalised), an
+    11-token sliding window, the Hub's ``block_sparse_moe.experts.<e>.w1/w2/w3`` names."""
+    from raypp.testing.tiny_model import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_mixtral"), architecture="mixtral", intermediate_size=32,
+        sliding_window=11, seed=8,
+        extra_config={"num_local_experts": 8, "num_experts_per_tok": 2})

@@ -141,7 +141,8 @@ class ParallelConfig:
 
     Fields left ``None`` take their ``RAYPP_*`` default (:mod:`raypp.envs`).
     ``layer_partition`` (layers per stage, a list or ``"3,2,2"``) overrides the
-    even split; ``use_ray_wrapped_pp_comm=False`` makes the compiled graph carry PP
+    split :meth:`EngineConfig.stage_layers` would choose (even, or by parameter bytes
+    when layers differ in size); ``use_ray_wrapped_pp_comm=False`` makes the compiled graph carry PP
     tensors over Ray's own transport instead of :class:`RayPPCommunicator`;
     ``cpu_p2p`` picks the CPU groups' same-host transport (``"auto"`` or ``"gloo"``).
     ``workers_per_gpu`` (CUDA) lets that many workers share one GPU: each asks Ray for
@@ -345,9 +346,14 @@ class EngineConfig:
         self.stage_layers()
 
     def stage_layers(self) -> list[tuple[int, int]]:
-        """``[start, end)`` global layer range of each pipeline stage."""
-        return partition_layers(self.model.num_layers, self.parallel.pipeline_parallel_size,
-                                self.parallel.layer_partition)
+        """``[start, end)`` global layer range of each pipeline stage: ``layer_partition``,
+        else an even split, else (layers of different sizes) a split balancing parameter
+        bytes (:func:`raypp.model.partition.stage_partition`)."""
+        from raypp.model.partition import stage_partition
+
+        mc, pc = self.model, self.parallel
+        return stage_partition(mc.hf_config, mc.architecture, mc.torch_dtype,
+                               pc.pipeline_parallel_size, pc.layer_partition)
 
     @property
     def rounds_ahead(self) -> int:
@@ -376,10 +382,10 @@ def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:
     if kv_heads < tp and tp % kv_heads:
         raise ValueError(f"tensor_parallel_size={tp} is not a multiple of "
                          f"num_key_value_heads={kv_heads}, so kv heads cannot be replicated")
-    intermediate = int(model.hf_config["intermediate_size"])
-    if intermediate % tp:
-        raise ValueError(f"intermediate_size={intermediate} is not divisible by "
-                         f"tensor_parallel_size={tp}")
+    for key in ("intermediate_size", "moe_intermediate_size"):  # dense MLP, experts
+        size = int(model.hf_config.get(key) or 0)
+        if size % tp:
+            raise ValueError(f"{key}={size} is not divisible by tensor_parallel_size={tp}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -392,32 +398,3 @@ def parse_partition(text: str) -> list[int]:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise ValueError(f'layer partition must look like "3,2,2", got {text!r}') from None
-
-
-def partition_layers(
-    num_layers: int, pp_size: int, override: list[int] | None = None
-) -> list[tuple[int, int]]:
-    """``[start, end)`` layer ranges per stage, split as evenly as possible.
-
-    Earlier stages take the remainder (the last stage also runs the LM head).
-    """
-    if pp_size > num_layers:
-        raise ValueError(
-            f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
-            "each stage needs at least one layer"
-        )
-    if override is not None:
-        if len(override) != pp_size or sum(override) != num_layers or min(override) < 1:
-            raise ValueError(
-                f"layer partition {override} must have {pp_size} positive entries summing to "
-                f"{num_layers}"
-            )
-        sizes = list(override)
-    else:
-        base, extra = divmod(num_layers, pp_size)
-        sizes = [base + (1 if i < extra else 0) for i in range(pp_size)]
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds

@@ -50,6 +50,40 @@ def ensure_ray(address: str | None) -> None:
         )
 
 
+def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],
+                  tp_size: int) -> list[dict[str, Any]]:
+    """Per stage: ``layers`` ``[start, end)``, ``weight_bytes`` (its largest TP rank's
+    parameters) and ``kv_blocks`` (the fewest any of its TP ranks can hold), from the
+    workers' ``load_model`` reports and KV budgets in rank order."""
+    out = []
+    for start in range(0, len(load_info), tp_size):
+        ranks = load_info[start:start + tp_size]
+        out.append({"stage": start // tp_size, "layers": tuple(ranks[0]["layers"]),
+                    "weight_bytes": max(r["weight_bytes"] for r in ranks),
+                    "kv_blocks": min(kv_blocks[start:start + tp_size])})
+    return out
+
+
+def format_stage_table(summary: list[dict[str, Any]], smallest: int) -> str:
+    """The start-up table of :func:`stage_summary`, ending with the engine's KV capacity
+    (the minimum over stages; ``smallest`` names the stage that sets it)."""
+    lines = ["stage  layers          weights/worker  KV blocks"]
+    for row in summary:
+        a, b = row["layers"]
+        lines.append(f"{row['stage']:>5}  {f'{a}-{b - 1} ({b - a})':<14}  "
+                     f"{_bytes(row['weight_bytes']):>14}  {row['kv_blocks']:>9}")
+    lines.append(f"engine KV capacity = min over stages = {summary[smallest]['kv_blocks']} blocks "
+                 f"(stage {smallest})")
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 class StagePool:
     """Every worker of one engine, ``workers[pp_rank][tp_rank]``.
 
@@ -65,6 +99,7 @@ class StagePool:
         self.workers: list[list[Any]] = []
         self.load_info: list[dict[str, Any]] = []
         self.num_kv_blocks = 0
+        self.stage_summary: list[dict[str, Any]] = []  # per stage, see stage_summary()
         self._pg: Any = None
 
     @property
@@ -173,6 +208,8 @@ class StagePool:
         budgets = self.gather([w.kv_budget.remote() for w in self.all_workers])
         index = min(range(len(budgets)), key=lambda i: budgets[i].blocks)
         num_blocks = budgets[index].blocks
+        self.stage_summary = stage_summary(self.load_info, [b.blocks for b in budgets], self.tp_size)
+        logger.info("stages:\n%s", format_stage_table(self.stage_summary, index // self.tp_size))
         need = -(-self.config.model.max_model_len // self.config.cache.block_size)
         if num_blocks < need:
             raise ValueError(

@@ -52,15 +52,18 @@ class MoESpec:
     fp32_weights: bool  # routing weights applied in fp32 (Mixtral), else in the model dtype
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :func:`torch.nn.functional.grouped_mm` serves ``dtype`` on ``device``: on CPU
-    wherever this torch has it, on CUDA for bfloat16 on compute capability 8.0 or newer."""
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+    """Whether :func:`torch.nn.functional.grouped_mm` serves ``dtype`` on ``device`` for
+    matrices whose inner dimensions are ``dims``: on CPU wherever this torch has it; on
+    CUDA for bfloat16 on compute capability 8.0 or newer, with every dimension a multiple
+    of 8 (rows of 16 bytes, as its kernels need)."""
     if not hasattr(F, "grouped_mm"):
         return False
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+        return (dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
+                and torch.cuda.get_device_capability(device) >= (8, 0))
     return False
 
 
@@ -97,7 +100,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Module()
         self.gate.weight = _param(spec.num_experts, hidden, dtype=dtype)
         self.experts = StackedExperts(spec.num_experts, hidden, spec.intermediate_size, tp, dtype)
-        self.grouped = grouped_mm_supported(self.gate.weight.device, dtype)
+        self.grouped = grouped_mm_supported(self.gate.weight.device, dtype,
+                                            (hidden, self.experts.per_rank))
 
     def graph_capturable(self) -> bool:
         """True when :meth:`forward` never waits for the host (a CUDA graph may hold it)."""

@@ -64,5 +64,6 @@ class MoEStageModel(LlamaStageModel):
                 dtype = layer.mlp.gate.weight.dtype
                 return (f"layer {index}'s experts run one GEMM per expert, reading the routing "
                         f"on the host (torch's grouped_mm serves bfloat16 on compute capability "
-                        f">= 8.0 only; this stage is {str(dtype).replace('torch.', '')})")
+                        f">= 8.0, dimensions multiples of 8; this stage is "
+                        f"{str(dtype).replace('torch.', '')})")
         return None
