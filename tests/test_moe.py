@@ -163,14 +163,10 @@ def test_balance_by_bytes_against_every_split():
                               rng.randint(0, 50))
         sizes = balance_by_bytes(layout, pp)
         assert len(sizes) == pp and min(sizes) >= 1 and sum(sizes) == n
-
-        def split(cut_sizes):
-            ends = list(itertools.accumulate(cut_sizes))
-            return layout.stage_bytes(list(zip([0, *ends[:-1]], ends, strict=True)))
-
-        every = [split([b - a for a, b in zip((0, *c), (*c, n), strict=True)])
+        every = [layout.stage_bytes(list(zip((0, *c), (*c, n), strict=True)))
                  for c in itertools.combinations(range(1, n), pp - 1)]
-        got = split(sizes)
+        ends = list(itertools.accumulate(sizes))
+        got = layout.stage_bytes(list(zip([0, *ends[:-1]], ends, strict=True)))
         best_max = min(max(s) for s in every)
         assert max(got) == best_max
         assert min(got) == max(min(s) for s in every if max(s) == best_max)

@@ -388,6 +388,12 @@ def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:
             raise ValueError(f"{key}={size} is not divisible by tensor_parallel_size={tp}")
 
 
+def cache_dir() -> Path:
+    """Where raypp caches what it downloads (the demo model): ``RAYPP_CACHE_DIR``, else
+    ``~/.cache/raypp``."""
+    return Path(envs.RAYPP_CACHE_DIR or Path.home() / ".cache" / "raypp").expanduser()
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")

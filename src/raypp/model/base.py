@@ -4,7 +4,7 @@ CUDA graphs treat families alike (a new family is its own module plus a line in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,6 +14,15 @@ def layer_window(sliding_window: int | None, layer_types: list[str], index: int)
     """The sliding window of global layer ``index``: ``sliding_window`` where its type is
     ``"sliding_attention"`` (transformers' ``layer_types``), else ``None`` (full attention)."""
     return sliding_window if layer_types[index] == "sliding_attention" else None
+
+
+@dataclass
+class LoadReport:
+    """What loading a stage's weights read (:func:`raypp.model.loader.load_stage_weights`,
+    :func:`raypp.model.gguf.load_gguf_weights`)."""
+
+    names: list[str] = field(default_factory=list)  # checkpoint tensors touched
+    bytes_read: int = 0
 
 
 @dataclass(frozen=True)

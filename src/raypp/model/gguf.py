@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raypp.model.base import StageModel
+from raypp.model.base import LoadReport, StageModel
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -105,7 +105,7 @@ def _gguf_version() -> str:
 def load_gguf_weights(model: StageModel, path: str) -> Any:
     """Fill ``model``'s parameters from the GGUF file at ``path``, dequantizing only the
     tensors this stage owns (each TP rank dequantizes its stage's tensors and keeps its
-    slice). Returns a :class:`raypp.model.loader.LoadReport` (Hugging Face names, GGUF
+    slice). Returns a :class:`raypp.model.base.LoadReport` (Hugging Face names, GGUF
     bytes read). ``ValueError`` naming any parameter the file does not provide."""
     import gguf
     import numpy as np
@@ -114,8 +114,6 @@ def load_gguf_weights(model: StageModel, path: str) -> Any:
         TensorProcessor,
         read_field,
     )
-
-    from raypp.model.loader import LoadReport
 
     reader = _reader(path)
     arch = read_field(reader, "general.architecture")[0]

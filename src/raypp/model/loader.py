@@ -9,14 +9,13 @@ A ``.gguf`` path goes to :func:`raypp.model.gguf.load_gguf_weights`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from raypp.model.base import StageModel
+from raypp.model.base import LoadReport, StageModel
 
 
 def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
@@ -53,12 +52,6 @@ class LazySlice:
         tensor = self._handle[tuple(index)]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
-
-
-@dataclass
-class LoadReport:
-    names: list[str] = field(default_factory=list)  # checkpoint tensors touched
-    bytes_read: int = 0
 
 
 def load_stage_weights(model: StageModel, model_dir: str) -> LoadReport:

