@@ -322,3 +322,30 @@ def test_both_layouts_load_the_same_slices(tmp_path):
     assert params[0][w13].shape == (4, 32, 64)  # 2 × 16 rows of each expert per rank
     assert not torch.equal(params[0][w13], params[1][w13])
     assert reads[0] == reads[2] and reads[0] < 0.75 * (reads[0] + reads[1])
+
+
+def test_bench_make_model_writes_moe_checkpoints(tmp_path):
+    """``raypp bench make-model`` writes Qwen3-MoE (dense first layers) and Mixtral
+    checkpoints that raypp reads."""
+    import json
+
+    from raypp.config import EngineConfig, ModelConfig, ParallelConfig
+    from raypp.entrypoints.cli import main
+
+    common = ["--hidden", "64", "--layers", "4", "--heads", "4", "--vocab", "300", "--experts", "8"]
+    qwen, mixtral = tmp_path / "qwen3_moe", tmp_path / "mixtral"
+    assert main(["bench", "make-model", "--out", str(qwen), "--architecture", "qwen3_moe",
+                 "--dense-first", "2", *common]) == 0
+    assert main(["bench", "make-model", "--out", str(mixtral), "--architecture", "mixtral",
+                 "--intermediate", "32", *common]) == 0
+    config = json.loads((qwen / "config.json").read_text())
+    assert config["mlp_only_layers"] == [0, 1] and config["moe_intermediate_size"] == 48
+    assert json.loads((mixtral / "config.json").read_text())["num_local_experts"] == 8
+    from raypp.model.partition import weight_layout
+
+    for model_dir, arch in ((qwen, "Qwen3MoeForCausalLM"), (mixtral, "MixtralForCausalLM")):
+        mc = ModelConfig(str(model_dir))
+        assert mc.architecture == arch
+        layers = weight_layout(mc.hf_config, arch, mc.torch_dtype).layers
+        assert (layers[0] < layers[3]) == (arch == "Qwen3MoeForCausalLM")  # MLP 192 < 8 × 48
+        assert len(EngineConfig(mc, ParallelConfig(pipeline_parallel_size=2)).stage_layers()) == 2
