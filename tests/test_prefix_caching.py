@@ -3,7 +3,7 @@ transformers, cached prefixes are reported, eviction under memory pressure.
 
 One engine at a time (module-scoped, parametrized): caching off at pp=1 is the
 reference for sampled tokens and logprobs; caching on runs at pp=1 (multi-step,
-asynchronous rounds), at pp=2 on the compiled graph and at pp=2 on the direct plane.
+asynchronous rounds), at pp=2 on the compiled graph and on the direct plane, and at tp=2.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ENGINES = {
     "on-pp1-multistep": dict(num_decode_steps=4),
     "on-pp2-cgraph": dict(pipeline_parallel_size=2),
     "on-pp2-direct": dict(pipeline_parallel_size=2, control_plane="direct"),
+    "on-tp2": dict(tensor_parallel_size=2),
 }
 
 

@@ -101,11 +101,14 @@ class RunStats:
 
 def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], concurrency: int,
           bar: tqdm | None = None, prefix: str = "bench") -> RunStats:
-    """Run ``requests`` to completion keeping at most ``concurrency`` of them in the engine."""
+    """Run ``requests`` to completion keeping at most ``concurrency`` of them in the engine.
+
+    TTFT, TPOT and end-to-end times come from the engine's own request times (arrival,
+    first token), so they are right whether or not the engine emits unfinished requests.
+    """
     stats = RunStats()
     pending = deque(enumerate(requests))
-    added: dict[str, tuple[float, BenchRequest]] = {}
-    first: dict[str, float] = {}
+    added: dict[str, BenchRequest] = {}
     active = 0
     waits_before = len(recorder.waits)
     submits_before = len(recorder.submits)
@@ -116,23 +119,22 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
             rid = f"{prefix}-{i}"
             engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                req.sampling_params())
-            added[rid] = (time.perf_counter(), req)
+            added[rid] = req
             active += 1
         step_start = time.perf_counter()
         outputs = engine.step()
-        now = time.perf_counter()
-        stats.step_wall_s += now - step_start
+        stats.step_wall_s += time.perf_counter() - step_start
+        now = time.monotonic()  # the clock of the engine's request times
         for out in outputs:
-            rid = out.request_id
-            if rid not in first and out.outputs and out.outputs[0].token_ids:
-                first[rid] = now
             if out.finished:
                 active -= 1
-                t_add, req = added[rid]
-                stats.ttft_s.append(first[rid] - t_add)
-                stats.e2e_s.append(now - t_add)
+                req = added[out.request_id]
+                arrival = out.metrics["arrival_time"]
+                first = out.metrics.get("first_token_time", now)
+                stats.ttft_s.append(first - arrival)
+                stats.e2e_s.append(now - arrival)
                 if req.output_len > 1:
-                    stats.tpot_s.append((now - first[rid]) / (req.output_len - 1))
+                    stats.tpot_s.append((now - first) / (req.output_len - 1))
                 if bar is not None:
                     bar.update(1)
     stats.elapsed_s = time.perf_counter() - started
@@ -144,7 +146,8 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
 
 
 # -- building the engine and the workload ------------------------------------------------------
-def _make_llm(args: argparse.Namespace) -> Any:
+def make_llm(args: argparse.Namespace) -> Any:
+    """The ``LLM`` a ``throughput`` or ``latency`` command line describes (starts Ray)."""
     from raypp import LLM
     from raypp.bench.cluster import start_ray
     from raypp.entrypoints.args import engine_kwargs, resolve_model
@@ -298,7 +301,7 @@ def _title(kind: str, result: dict[str, Any]) -> str:
 def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
     """Offline throughput: all requests queued (or ``--concurrency`` at a time)."""
     owned = llm is None
-    llm = llm or _make_llm(args)
+    llm = llm or make_llm(args)
     engine = llm.engine
     recorder = StepRecorder(engine.executor)
     try:
@@ -332,7 +335,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
 def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
     """Latency of one batch of ``--num-prompts`` requests, over ``--num-iters`` runs."""
     owned = llm is None
-    llm = llm or _make_llm(args)
+    llm = llm or make_llm(args)
     engine = llm.engine
     recorder = StepRecorder(engine.executor)
     try:
