@@ -2,7 +2,7 @@
 with the same system prompt, then a question of its own) for TTFT and throughput, and
 the same prompt lengths with nothing shared, for what caching costs when nothing hits.
 
-    python -m benchmarks.prefix_caching --out DIR --model DIR [--rounds 3]
+    python -m benchmarks.prefix_caching --out DIR [--model DIR | --ckpt DIR] [--rounds 3]
         [--num-prompts 64 --shared-prefix-len 1024 --input-len 64 --output-len 64]
         [--engine-args "--device cuda --dtype bfloat16 ..."] [--budget-s 540]
 
@@ -10,10 +10,12 @@ Each (round, caching) section starts one engine and runs both workloads through
 ``raypp bench throughput`` (``raypp.bench.runner.run_throughput``: all requests queued
 at once, a short warm-up, then the prefix cache is reset, so the timed run starts cold:
 its first requests compute the shared prefix). Rounds alternate the engines (on, off,
-on, off, …) so a noisy neighbour's load falls on both; the summary takes each number's
-median over rounds. ``results["runs"]`` holds every run's numbers and the ``raypp bench``
-command that reproduces it alone. Without ``--model`` on CUDA the Llama-3.2-1B-shaped
-random bf16 checkpoint of :mod:`benchmarks.gpu.decode_workload` is written first.
+off, on, on, off, …) so a noisy neighbour's load and any drift fall on both alike; the
+summary takes each number's median over rounds. ``results["runs"]`` holds every run's
+numbers and the ``raypp bench`` command that reproduces it alone. Without ``--model``,
+the Llama-3.2-1B-shaped random bf16 checkpoint of :mod:`benchmarks.gpu.decode_workload`
+is used from ``--ckpt``, written there first if missing (on the GPU). A section is
+skipped when the time left is less than the longest one so far.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from benchmarks.harness import Run, add_run_args, log, machine_info, software_ve
 
 _KEPT = ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
          "engine_steps", "mean_step_ms", "engine_overhead_ms_per_step", "ttft_ms", "tpot_ms",
-         "prefix_cache", "cpu", "load_avg_at_start")
+         "stage_compute_ms", "prefix_cache", "cpu", "load_avg_at_start")
 
 
 def _workloads(a: argparse.Namespace) -> dict[str, list[str]]:
@@ -108,16 +110,22 @@ def summary(results: dict[str, Any]) -> str:
         ratio = _median(on, "output_tokens_per_s") / _median(off, "output_tokens_per_s")
         pairs = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(on, off)]
         lines.append(f"- nothing shared (0 % hits): throughput with caching on = {ratio:.3f}× "
-                     f"caching off's (round by round: {', '.join(f'{p:.3f}' for p in pairs)})")
+                     f"caching off's (round by round: {', '.join(f'{p:.3f}' for p in pairs)}); "
+                     f"the driver's own time per engine step "
+                     f"{_median(on, 'engine_overhead_ms_per_step'):.3f} ms on vs "
+                     f"{_median(off, 'engine_overhead_ms_per_step'):.3f} ms off, of "
+                     f"{_median(off, 'mean_step_ms'):.1f} ms per step")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(parser, out_default=None, budget_s=540.0)
-    parser.add_argument("--model", default=None, help="model directory (CUDA default: a 1B "
-                        "random-weight checkpoint written under --out)")
-    parser.add_argument("--rounds", type=int, default=1, help="on/off engine pairs, alternated")
+    parser.add_argument("--model", default=None, help="model directory (default: --ckpt)")
+    parser.add_argument("--ckpt", default="/tmp/raypp_prefix_caching_llama1b",
+                        help="the 1B random-weight checkpoint, written here if missing (CUDA)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="on/off engine pairs, in the order on-off, off-on, on-off, ...")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--shared-prefix-len", type=int, default=1024)
     parser.add_argument("--input-len", type=int, default=64, help="each prompt's own tokens")
@@ -127,11 +135,10 @@ def main() -> None:
                         'options, one string, e.g. "--device cuda --dtype bfloat16 -pp 2"')
     a = parser.parse_args()
     out = Path(a.out)
-    model = a.model
-    if model is None:
+    model = a.model or a.ckpt
+    if a.model is None and not (Path(model) / "config.json").is_file():
         from benchmarks.gpu.decode_workload import make_checkpoint
 
-        model = str(out / "llama-1b-random")
         log(f"writing the checkpoint {model}")
         make_checkpoint(Path(model))
     device = "cuda" if "cuda" in a.engine_args else "cpu"
@@ -139,9 +146,10 @@ def main() -> None:
                                "software": software_versions(), "machine": machine_info(device)}
     run = Run(out, a.budget_s, results, summaries={"summary.md": summary})
     for r in range(a.rounds):
-        for caching in (True, False):
+        for caching in ((True, False) if r % 2 == 0 else (False, True)):
+            need = max(run.results["timings_s"].values(), default=0.0)
             run.section(f"round{r}-{'on' if caching else 'off'}",
-                        lambda caching=caching: _section(run, a, model, caching))
+                        lambda caching=caching: _section(run, a, model, caching), need_s=need)
     print(summary(results))
 
 

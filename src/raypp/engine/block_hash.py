@@ -30,15 +30,29 @@ def hash_block(parent: bytes, tokens: SequenceABC[int]) -> bytes:
 
 def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
     """``seq.block_hashes``, extended to cover at least its first ``num_blocks`` blocks
-    (each must be full). Tokens are only appended to a sequence, so a hash once
-    computed stays valid for its lifetime."""
+    (each must be full): each equals :func:`hash_block` of its tokens after the one
+    before. Tokens are only appended to a sequence, so a hash once computed stays valid
+    for its lifetime."""
     hashes = seq.block_hashes
     if len(hashes) >= num_blocks:
         return hashes
-    assert num_blocks * block_size <= seq.num_tokens, "only full blocks have a hash"
-    tokens = seq.all_token_ids
+    start, end = len(hashes) * block_size, num_blocks * block_size
+    assert end <= seq.num_tokens, "only full blocks have a hash"
+    encoded = array("q", _tokens(seq, start, end)).tobytes()  # one conversion for all blocks
+    width = array("q").itemsize * block_size
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), num_blocks):
-        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+    for offset in range(0, len(encoded), width):
+        parent = hashlib.sha256(parent + encoded[offset:offset + width]).digest()
         hashes.append(parent)
     return hashes
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """``seq.all_token_ids[start:end]`` without copying the whole sequence."""
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]

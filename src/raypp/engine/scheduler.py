@@ -238,11 +238,16 @@ class Scheduler:
         After ``k`` decode steps a sequence's input token and the first ``k - 1``
         sampled ones are in the cache; the last sampled one is not.
         """
+        block_size = self.blocks.block_size
+        caching = self.blocks.enable_caching
         for item in batch.seqs:
-            item.seq.in_flight = max(0, item.seq.in_flight - 1)
-            if ok and item.seq.status is SequenceStatus.RUNNING:
-                item.seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
-                self.blocks.register(item.seq)
+            seq = item.seq
+            seq.in_flight = max(0, seq.in_flight - 1)
+            if ok and seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
+                # most decode steps fill no block: skip the call (this runs per row per step)
+                if caching and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
+                    self.blocks.register(seq)
 
 
 def _loops_on_device(item: ScheduledSeq) -> bool:
