@@ -15,7 +15,9 @@ summary takes each number's median over rounds. ``results["runs"]`` holds every 
 numbers and the ``raypp bench`` command that reproduces it alone. Without ``--model``,
 the Llama-3.2-1B-shaped random bf16 checkpoint of :mod:`benchmarks.gpu.decode_workload`
 is used from ``--ckpt``, written there first if missing (on the GPU). A section is
-skipped when the time left is less than the longest one so far.
+skipped when the time left is less than the longest one so far. The ``driver`` section
+(:mod:`benchmarks.prefix_caching_driver`) times the driver's work alone for the
+nothing-shared workload, caching on vs off.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Run, add_run_args, log, machine_info, software_versions
+from benchmarks.prefix_caching_driver import driver_cost
 
 _KEPT = ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
          "engine_steps", "mean_step_ms", "engine_overhead_ms_per_step", "ttft_ms", "tpot_ms",
@@ -115,6 +118,15 @@ def summary(results: dict[str, Any]) -> str:
                      f"{_median(on, 'engine_overhead_ms_per_step'):.3f} ms on vs "
                      f"{_median(off, 'engine_overhead_ms_per_step'):.3f} ms off, of "
                      f"{_median(off, 'mean_step_ms'):.1f} ms per step")
+    driver = results.get("driver")
+    if driver:
+        on, off = driver["on"], driver["off"]
+        lines.append(f"- the driver alone, nothing shared (no model, median of {driver['repeats']} "
+                     f"runs): {on['prefill_us_per_step']:.0f} vs {off['prefill_us_per_step']:.0f} µs "
+                     f"per prefill step, {on['decode_us_per_step']:.0f} vs "
+                     f"{off['decode_us_per_step']:.0f} µs per decode step, "
+                     f"{on['us_per_request'] - off['us_per_request']:.0f} µs more per request "
+                     "with caching on")
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +157,8 @@ def main() -> None:
     results: dict[str, Any] = {"argv": vars(a), "model": model, "runs": {},
                                "software": software_versions(), "machine": machine_info(device)}
     run = Run(out, a.budget_s, results, summaries={"summary.md": summary})
+    run.section("driver", lambda: results.update(driver=driver_cost(
+        a.num_prompts, a.shared_prefix_len + a.input_len, a.output_len)))
     for r in range(a.rounds):
         for caching in ((True, False) if r % 2 == 0 else (False, True)):
             need = max(run.results["timings_s"].values(), default=0.0)
