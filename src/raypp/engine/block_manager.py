@@ -97,8 +97,8 @@ class BlockManager:
                     del self._free[block]
                 self._ref_counts[block] += 1
             seq.block_table = list(cached)
-            seq.num_computed_tokens = seq.num_registered_blocks = len(cached)
-            seq.num_computed_tokens *= self.block_size
+            seq.num_registered_blocks = len(cached)
+            seq.num_computed_tokens = len(cached) * self.block_size
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block, _ = self._free.popitem(last=False)
             evicted = self._hash_of[block]

@@ -9,10 +9,10 @@ its last token). When blocks run out a running sequence is preempted by
 recompute (its blocks are freed, the computed ones staying cached, and it
 re-enters the waiting queue at the front; its output so far is kept, so the
 result is identical to an unpreempted run). Cached blocks nobody uses count as
-free: taking one evicts it. A sequence is
-never in two micro-batches at once, except that :meth:`Scheduler.continue_batch`
-may put a decode batch's sequences into their next round while the current one
-runs (asynchronous scheduling); results are completed in submission order.
+free: taking one evicts it. A sequence is never in two micro-batches at once,
+except that :meth:`Scheduler.continue_batch` may put a decode batch's sequences
+into their next round while the current one runs (asynchronous scheduling);
+results are completed in submission order.
 """
 
 from __future__ import annotations
