@@ -95,6 +95,21 @@ def test_throughput_json_and_timeline(bench_llm, tmp_path):
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
+def test_throughput_with_a_shared_prefix_reports_cache_hits(bench_llm):
+    """One request at a time after a warm-up (the cache is reset after it): the first
+    computes the 48-token prefix (3 blocks of 16), the 5 others find it cached."""
+    from raypp.bench.runner import run_throughput
+
+    args = _args("bench", "throughput", "--num-prompts", "6", "--shared-prefix-len", "48",
+                 "--input-len", "4", "--output-len", "3", "--concurrency", "1",
+                 "--num-warmup", "2", "--no-progress")
+    result = run_throughput(args, llm=bench_llm)
+    assert result["enable_prefix_caching"] and result["shared_prefix_len"] == 48
+    assert result["prefix_cache"] == {"queried_tokens": 6 * 52, "hit_tokens": 5 * 48,
+                                      "hit_rate": round(240 / 312, 4)}
+    assert set(result["ttft_ms"]) >= {"p50", "p99"}
+
+
 def test_latency_json(bench_llm, tmp_path):
     from raypp.bench.runner import run_latency
 
@@ -133,6 +148,11 @@ def test_dataset_and_synthetic_requests(tmp_path, tiny_llama):
     params = synth[0].sampling_params()
     assert params.ignore_eos and params.max_tokens == 7
     assert synth == synthetic_requests(4, 10, 7, vocab_size=50, avoid={0, 1, 2}, seed=3)
+    shared = synthetic_requests(4, 10, 7, vocab_size=50, avoid={0, 1, 2}, seed=3,
+                                shared_prefix_len=20)
+    assert all(r.prompt_len == 30 for r in shared)
+    assert len({tuple(r.prompt_token_ids[:20]) for r in shared}) == 1
+    assert len({tuple(r.prompt_token_ids[20:]) for r in shared}) == 4
 
 
 def test_make_model_cli(tmp_path):

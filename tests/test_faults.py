@@ -221,6 +221,27 @@ def test_stage_dying_while_idle_costs_no_request(ray_cluster, tiny_llama):
         assert llm.engine.restarts == 2
 
 
+def test_replaced_stages_start_with_an_empty_prefix_cache(ray_cluster, tiny_llama):
+    """A prompt cached before a stage died is computed afresh by the replacement workers
+    (whose caches are empty: reusing the old blocks would read zeros), then cached anew."""
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, block_size=8) as llm:
+        prompt = corpus_prompts(llm.get_tokenizer(), [41])[0]
+        expected = hf_greedy(tiny_llama, [prompt], 8)[0]
+
+        def cached_tokens() -> int:
+            out = llm.generate({"prompt_token_ids": prompt}, SHORT, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == expected
+            return out.num_cached_tokens
+
+        assert [cached_tokens(), cached_tokens()] == [0, 40]
+        executor = llm.engine.executor
+        assert wait_suspended(executor, timeout=10)  # so the next request is requeued, not failed
+        ray.kill(executor.all_workers[1], no_restart=True)
+        cached_tokens()  # fails over to new workers, computing everything
+        assert llm.engine.restarts == 1
+        assert cached_tokens() == 40
+
+
 def test_idle_serving_engine_heals_without_a_request(ray_cluster, tiny_llama):
     """Behind the server (AsyncLLMEngine), a stage that dies while no request is in the
     engine is replaced within seconds, so ``/health`` recovers before traffic returns."""

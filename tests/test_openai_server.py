@@ -361,6 +361,27 @@ def test_metrics_parse_and_move_with_traffic(served):
         assert after[gauge] == 0
 
 
+def test_usage_and_metrics_report_cached_prompt_tokens(served):
+    """Prefix caching is on by default: a prompt sharing 4 full blocks (of 16) with an
+    earlier one has those 64 tokens cached, in usage and in the Prometheus counters."""
+    ids = [(7 * j + 3) % 300 + 50 for j in range(70)]
+    other = ids[:64] + [11, 12, 13]
+    client = served.client()
+    before = _metrics(served)
+    cached = []
+    for prompt in (ids, other, ids):
+        r = client.completions.create(model=MODEL, prompt=prompt, **_greedy())
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0, 64, 64]
+    stream = client.completions.create(model=MODEL, prompt=other, stream=True,
+                                       stream_options={"include_usage": True}, **_greedy())
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == 64
+    after = _metrics(served)
+    assert (after["raypp_prefix_cache_queries_total{}"] - before["raypp_prefix_cache_queries_total{}"]
+            == 2 * len(ids) + 2 * len(other))
+    assert after["raypp_prefix_cache_hits_total{}"] - before["raypp_prefix_cache_hits_total{}"] == 192
+
+
 def test_serve_bench_load_generator(served, tmp_path):
     cfg = ServeBenchConfig(url=served.url, api_key=KEY, concurrency=4, num_requests=8,
                            max_tokens=4, warmup=1)

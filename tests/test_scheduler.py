@@ -1,20 +1,26 @@
-"""Scheduler and KV-block accounting, in plain Python, against a simulated cache.
+"""Scheduler, KV-block accounting and the prefix cache, in plain Python, against a
+simulated cache.
 
 A fake pipeline plays the stages: it writes each fed token into a simulated
-paged cache at the slots the engine chose, and before "sampling" checks that the
-cache holds exactly this sequence's tokens at every position the attention would
-read. The sampled token is a pure function of the sequence's tokens so far, so
-preemption, chunking and pipelining must not change any output.
+paged cache at the slots the engine chose, as what its KV depends on (its
+position and every token up to it), and before "sampling" checks that the cache
+holds exactly this sequence's prefix at every position the attention would read
+(whoever wrote it: a block shared through the prefix cache was written by
+another sequence). It also checks that no write lands in a block that is shared
+or registered in the prefix cache. The sampled token is a pure function of the
+sequence's tokens so far, so preemption, chunking, pipelining and cache hits must
+not change any output.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raypp.config import SchedulerConfig
+from raypp.engine.block_hash import ROOT_HASH, hash_block
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
@@ -28,7 +34,7 @@ def _next_token(tokens: list[int]) -> int:
 class FakePipeline:
     def __init__(self, blocks: BlockManager):
         self.blocks = blocks
-        self.cache: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
+        self.cache: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its KV depends on
 
     def run(self, batch: MicroBatch, ahead: dict[int, list[int]] | None = None
             ) -> list[list[int]]:
@@ -47,10 +53,13 @@ class FakePipeline:
             out = []
             for _ in range(batch.num_steps):
                 for pos in range(start, end):
-                    self.cache[self.blocks.slot(seq, pos)] = (seq.seq_id, pos, tokens[pos])
+                    block = seq.block_table[pos // self.blocks.block_size]
+                    assert self.blocks.ref_count(block) == 1, "write into a shared block"
+                    assert self.blocks.hash_of(block) is None, "write into a cached block"
+                    self.cache[self.blocks.slot(seq, pos)] = tuple(tokens[:pos + 1])
                 for pos in range(end):  # what attention reads
-                    assert self.cache[self.blocks.slot(seq, pos)] == (
-                        seq.seq_id, pos, tokens[pos]), "cache holds another token"
+                    assert self.cache.get(self.blocks.slot(seq, pos)) == tuple(tokens[:pos + 1]), (
+                        "cache holds another prefix")
                 if not item.sample:
                     break
                 out.append(_next_token(tokens[:end]))
@@ -69,8 +78,9 @@ def _expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
-              arrivals, decode_steps=1, rounds_ahead=False):
-    blocks = BlockManager(num_blocks, block_size)
+              arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=()):
+    """Run every request to its end; ``aborts``: (step, request index) pairs."""
+    blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
                              max_inflight=inflight, num_decode_steps=decode_steps)
     sched = Scheduler(config, blocks, max_model_len=10_000)
@@ -78,11 +88,19 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(max_tokens=m), seed=0)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     pending = deque(zip(arrivals, seqs))
+    abort_at = sorted(aborts)
+    aborted = set()
     queue: deque[tuple[MicroBatch, list[int]]] = deque()
     step = continuations = 0
     while pending or sched.has_unfinished() or queue:
         while pending and pending[0][0] <= step:
             sched.add(pending.popleft()[1])
+        while abort_at and abort_at[0][0] <= step:  # as LLMEngine.abort_request, maybe in flight
+            seq = seqs[abort_at.pop(0)[1]]
+            if seq in sched.waiting or seq in sched.running:
+                seq.status = SequenceStatus.FINISHED
+                sched.finish(seq)
+                aborted.add(seq.seq_id)
         while len(queue) < inflight:
             batch = sched.schedule()
             if batch is None:
@@ -91,10 +109,10 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             assert not set(in_flight) & {s.seq.seq_id for s in batch.seqs}, "seq in two batches"
             assert batch.num_steps == 1 or all(s.num_tokens == 1 for s in batch.seqs)
             queue.append((batch, pipe.run(batch)))
-        _check_blocks(sched, blocks)
+        _check_blocks(sched, blocks, pipe)
         step += 1
         if not queue:
-            assert pending, "nothing scheduled although work remains"
+            assert pending or not sched.has_unfinished(), "nothing scheduled although work remains"
             continue
         batch, tokens = queue.popleft()
         if rounds_ahead and not queue and not sched.can_admit():  # as LLMEngine does
@@ -115,17 +133,36 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
                     break
         assert step < 20_000, "no progress"
     assert blocks.num_free == num_blocks, "blocks leaked"
+    _check_blocks(sched, blocks, pipe)
     for seq, prompt, m in zip(seqs, prompts, max_tokens):
-        assert seq.output_token_ids == _expected(prompt, m)
+        if seq.seq_id not in aborted:
+            assert seq.output_token_ids == _expected(prompt, m)
+    if not caching:
+        assert blocks.num_cached == 0 and all(s.num_cached_tokens == 0 for s in seqs)
     return sched, continuations
 
 
-def _check_blocks(sched: Scheduler, blocks: BlockManager) -> None:
-    owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert len(owned) + blocks.num_free == blocks.num_blocks
+def _check_blocks(sched: Scheduler, blocks: BlockManager, pipe: FakePipeline) -> None:
+    """Reference counts are the owners; a sequence's blocks after its registered ones
+    are its own; every cached block holds the tokens its hash names."""
+    owners = Counter(b for s in sched.running for b in s.block_table)
+    assert all(blocks.ref_count(b) == n for b, n in owners.items())
+    assert len(owners) + blocks.num_free == blocks.num_blocks
+    for s in sched.running:
+        assert len(set(s.block_table)) == len(s.block_table)
+        assert all(owners[b] == 1 and blocks.hash_of(b) is None
+                   for b in s.block_table[s.num_registered_blocks:])
     for s in sched.waiting:
-        assert s.block_table == [] or s.status is SequenceStatus.RUNNING
+        assert s.block_table == [] and s.num_computed_tokens == 0
+    size = blocks.block_size
+    for b in range(blocks.num_blocks):
+        if blocks.hash_of(b) is not None:
+            prefix = pipe.cache[(b + 1) * size - 1]  # the block's last slot: its whole prefix
+            assert len(prefix) % size == 0
+            chain = ROOT_HASH
+            for i in range(0, len(prefix), size):
+                chain = hash_block(chain, prefix[i:i + size])
+            assert blocks.hash_of(b) == chain
 
 
 @settings(max_examples=300, deadline=None)
@@ -258,16 +295,169 @@ def test_micro_batches_split_the_running_set_evenly():
     assert sched.schedule() is None  # everything is in flight
 
 
-def test_block_manager_refcounts():
-    blocks = BlockManager(4, 2)
-    seq = Sequence(0, "a", 0, [1, 2, 3], SamplingParams(), seed=0)
-    blocks.allocate(seq, 3)
-    assert len(seq.block_table) == 2 and blocks.num_free == 2
-    blocks.share(seq.block_table[0])
-    shared = seq.block_table[0]
-    blocks.free(seq)
-    assert blocks.num_free == 3  # the shared block is still referenced
-    other = Sequence(1, "b", 0, [1], SamplingParams(), seed=0)
-    other.block_table = [shared]
-    blocks.free(other)
-    assert blocks.num_free == 4
+
+
+# -- the prefix cache --------------------------------------------------------------------------
+def _family_prompts(data: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Prompts that share long prefixes: (family, shared length, own length) each."""
+    families = [[(13 * f + 5 * j + j * j) % 50 for j in range(48)] for f in range(3)]
+    return [families[f][:shared] + [(31 * i + 7 * j) % 50 for j in range(own)]
+            or [i % 50] for i, (f, shared, own) in enumerate(data)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 48), st.sampled_from([0, 0, 1, 3, 9]),
+                            st.integers(1, 10), st.integers(0, 30)), min_size=1, max_size=12),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    inflight=st.integers(1, 3),
+    max_seqs=st.integers(1, 8),
+    step_tokens=st.integers(1, 64),
+    spare_blocks=st.integers(0, 24),
+    decode_steps=st.sampled_from([1, 1, 2, 5]),
+    rounds_ahead=st.booleans(),
+    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
+)
+def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_seqs, step_tokens,
+                                               spare_blocks, decode_steps, rounds_ahead, aborts):
+    """Shared prefixes, identical prompts, preemption, eviction, aborts in flight,
+    multi-step and asynchronous rounds: the cache only ever supplies the right KV."""
+    prompts = _family_prompts([(f, shared, own) for f, shared, own, _, _ in data])
+    max_tokens = [m for *_, m, _ in data]
+    arrivals = sorted(a for *_, a in data)
+    aborts = [(step, i) for step, i in aborts if i < len(prompts)]
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    num_blocks = -(-longest // block_size) + spare_blocks
+    sched, _ = _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs,
+                         step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts)
+    assert sched.prefix_cache_hits <= sched.prefix_cache_queries
+
+
+def test_prefix_cache_on_and_off_agree_and_hits_are_counted():
+    prompts = _family_prompts([(0, 40, 3), (0, 40, 5), (0, 33, 0), (1, 20, 2), (0, 40, 3)])
+    runs = {caching: _simulate(prompts, [6] * 5, num_blocks=200, block_size=4, inflight=1,
+                               max_seqs=1, max_tokens_step=64, arrivals=[0] * 5,
+                               caching=caching)[0]
+            for caching in (False, True)}
+    assert runs[False].prefix_cache_queries == runs[False].prefix_cache_hits == 0
+    on = runs[True]
+    # one at a time: each request finds what the earlier ones computed; the last is the
+    # first's twin (43 tokens), which computes only its last block's 3 tokens
+    assert on.prefix_cache_queries == sum(map(len, prompts))
+    assert on.prefix_cache_hits == 0 + 40 + 32 + 0 + 40
+
+
+def _admit(sched: Scheduler, seq: Sequence) -> MicroBatch:
+    sched.add(seq)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs[-1].seq is seq
+    return batch
+
+
+def _seq(i: int, tokens: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(i, str(i), 0, list(tokens), SamplingParams(max_tokens=max_tokens), seed=0)
+
+
+def test_identical_prompt_computes_only_its_last_block():
+    for length in (16, 17, 19, 5):
+        blocks = BlockManager(64, 4)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512), blocks, 1000)
+        first = _admit(sched, _seq(0, range(length)))
+        sched.complete(first)
+        again = _admit(sched, _seq(1, range(length)))
+        item = again.seqs[0]
+        cached = (length - 1) // 4 * 4  # a whole-block hit, never the last token
+        assert item.seq.num_cached_tokens == item.seq.num_computed_tokens == cached
+        assert item.num_tokens == length - cached >= 1 and item.sample
+        assert item.seq.block_table[:cached // 4] == first.seqs[0].seq.block_table[:cached // 4]
+        assert item.seq.block_table[cached // 4:] != first.seqs[0].seq.block_table[cached // 4:]
+        assert all(blocks.ref_count(b) == 2 for b in item.seq.block_table[:cached // 4])
+
+
+def test_blocks_are_cached_only_once_computed():
+    """A block's hash is registered when the step that filled it completes: a twin
+    scheduled while it is in flight computes everything itself."""
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), blocks, 1000)
+    first = _admit(sched, _seq(0, range(9)))  # a chunk of 8: blocks 0 and 1
+    assert blocks.num_cached == 0
+    twin = _admit(sched, _seq(1, range(9)))  # scheduled while ``first`` is in flight
+    assert twin.seqs[0].seq.num_cached_tokens == 0
+    sched.complete(first)
+    assert blocks.num_cached == 2
+    sched.complete(twin)  # the same content: the first computed copy stays the cached one
+    assert blocks.num_cached == 2
+    third = _admit(sched, _seq(2, range(9)))
+    assert third.seqs[-1].num_tokens == 1 and third.seqs[-1].seq.num_cached_tokens == 8
+    assert third.seqs[-1].seq.block_table[:2] == first.seqs[0].seq.block_table[:2]
+
+
+def test_failed_step_caches_nothing():
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), blocks, 1000)
+    batch = _admit(sched, _seq(0, range(12)))
+    sched.complete(batch, ok=False)
+    seq = batch.seqs[0].seq
+    assert seq.num_computed_tokens == 0 and seq.in_flight == 0
+    seq.status = SequenceStatus.FINISHED
+    sched.finish(seq)
+    assert blocks.num_cached == 0 and blocks.num_free == 64
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_released_first():
+    blocks = BlockManager(6, 2)
+    a, b = _seq(0, [1, 2, 3, 4, 5]), _seq(1, [7, 8, 9, 10, 11])
+    for seq in (a, b):  # each: 2 full blocks + 1 partial block
+        blocks.allocate(seq, 5)
+        seq.num_computed_tokens = 5
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    blocks.free(a)
+    blocks.free(b)
+    assert blocks.num_free == 6 and blocks.num_cached == 4
+    # the partial blocks hold nothing reusable: reused first; then a's tail, a's head, ...
+    c = _seq(2, [20] * 6)
+    blocks.allocate(c, 6)
+    assert c.block_table == [b_blocks[2], a_blocks[2], a_blocks[1]]
+    assert blocks.num_cached == 3
+    assert blocks.find_cached(_seq(3, [1, 2, 3, 4, 5])) == [a_blocks[0]]  # a's chain broke
+    assert blocks.find_cached(_seq(5, [7, 8, 9, 10, 11])) == b_blocks[:2]
+    # a hit takes free cached blocks out of the free queue, so they count against it
+    d = _seq(6, [7, 8, 9, 10, 11])
+    hit = blocks.find_cached(d)
+    assert blocks.num_free == 3
+    assert not blocks.can_allocate(d, 7, hit) and blocks.can_allocate(d, 6, hit)
+    blocks.allocate(d, 6, hit)
+    assert d.block_table == [*b_blocks[:2], a_blocks[0]] and d.num_computed_tokens == 4
+    assert blocks.num_free == 0 and blocks.num_cached == 2  # a's head was evicted last
+    blocks.free(c)
+    assert not blocks.reset_cache()  # d holds blocks
+    blocks.free(d)
+    assert blocks.reset_cache() and blocks.num_cached == 0
+    assert blocks.find_cached(_seq(7, [7, 8, 9, 10, 11])) == []
+
+
+def test_crafted_colliding_token_runs_are_never_reused():
+    """Token runs that naive keys confuse get distinct hashes, and never share blocks."""
+    big = 2**61 - 1  # Python's hash(big) == hash(0): tuple hashing collides on these
+    assert hash((ROOT_HASH, (big, 1))) == hash((ROOT_HASH, (0, 1)))
+    pairs = [
+        ([big, 1], [0, 1]),  # equal under Python's hash()
+        ([1, 23], [12, 3]),  # equal as joined decimal strings
+        ([256, 0], [0, 1]),  # equal as 1-byte little-endian runs (256 -> 0x00 0x01)
+        ([1, 2], [2, 1]),  # same multiset
+    ]
+    for x, y in pairs:
+        assert hash_block(ROOT_HASH, x) != hash_block(ROOT_HASH, y)
+    # the same tokens after different prefixes are different blocks
+    assert hash_block(hash_block(ROOT_HASH, [1, 2]), [5, 6]) != hash_block(
+        hash_block(ROOT_HASH, [3, 4]), [5, 6])
+    for x, y in pairs + [([1, 2, 5, 6], [3, 4, 5, 6])]:
+        blocks = BlockManager(16, 2)
+        first = _seq(0, x + [9])
+        blocks.allocate(first, len(first.prompt_token_ids))
+        first.num_computed_tokens = len(x)
+        first_blocks = list(first.block_table)
+        blocks.free(first)
+        assert blocks.num_cached == len(x) // 2
+        assert blocks.find_cached(_seq(1, y + [9])) == []
+        assert blocks.find_cached(_seq(2, x + [9])) == first_blocks[:len(x) // 2]

@@ -201,12 +201,16 @@ class CacheConfig:
 
     On CUDA the cache takes ``gpu_memory_utilization`` of the device minus what is
     in use; on CPU it takes ``kv_cache_memory_bytes`` per stage.
+    ``enable_prefix_caching`` (default on): full blocks of computed KV stay cached
+    after their sequences end, and a prompt that starts with the same tokens reuses
+    them instead of recomputing (:mod:`raypp.engine.block_manager`).
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 512 * 2**20
     num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
@@ -217,6 +221,9 @@ class CacheConfig:
             )
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, "
+                             f"got {self.enable_prefix_caching!r}")
 
 
 @dataclass

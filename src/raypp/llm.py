@@ -30,7 +30,7 @@ class LLM:
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
     Extra keyword arguments are fields of the engine's configs
     (:mod:`raypp.config`): the KV cache (``block_size``, ``kv_cache_memory_bytes``,
-    ``gpu_memory_utilization``), the scheduler (``max_num_seqs``,
+    ``gpu_memory_utilization``, ``enable_prefix_caching``), the scheduler (``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_inflight``, ``num_decode_steps``,
     ``async_scheduling``), parallelism (``layer_partition``,
     ``use_ray_wrapped_pp_comm``, ``placement_strategy``, ``cpu_p2p``) and the runtime
@@ -143,6 +143,10 @@ class LLM:
 
     def is_healthy(self) -> bool:
         return self.engine.is_healthy()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing forgotten) while requests run."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Tear down the compiled graph and the stage actors (idempotent)."""

@@ -40,7 +40,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state: its prompt and its completions so far (or final)."""
+    """A request's state: its prompt and its completions so far (or final).
+
+    ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache instead
+    of being computed (0 until the request is first scheduled, and with caching off).
+    """
 
     request_id: str
     prompt: str | None
@@ -52,3 +56,4 @@ class RequestOutput:
     # as a kind callers can branch on (``error_kind.retryable``: the engine recovers)
     error: str | None = None
     error_kind: ErrorKind | None = None
+    num_cached_tokens: int = 0

@@ -101,11 +101,14 @@ class RunStats:
 
 def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], concurrency: int,
           bar: tqdm | None = None, prefix: str = "bench") -> RunStats:
-    """Run ``requests`` to completion keeping at most ``concurrency`` of them in the engine."""
+    """Run ``requests`` to completion keeping at most ``concurrency`` of them in the engine.
+
+    TTFT, TPOT and end-to-end times come from the engine's own request times (arrival,
+    first token), so they are right whether or not the engine emits unfinished requests.
+    """
     stats = RunStats()
     pending = deque(enumerate(requests))
-    added: dict[str, tuple[float, BenchRequest]] = {}
-    first: dict[str, float] = {}
+    added: dict[str, BenchRequest] = {}
     active = 0
     waits_before = len(recorder.waits)
     submits_before = len(recorder.submits)
@@ -116,23 +119,22 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
             rid = f"{prefix}-{i}"
             engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                req.sampling_params())
-            added[rid] = (time.perf_counter(), req)
+            added[rid] = req
             active += 1
         step_start = time.perf_counter()
         outputs = engine.step()
-        now = time.perf_counter()
-        stats.step_wall_s += now - step_start
+        stats.step_wall_s += time.perf_counter() - step_start
+        now = time.monotonic()  # the clock of the engine's request times
         for out in outputs:
-            rid = out.request_id
-            if rid not in first and out.outputs and out.outputs[0].token_ids:
-                first[rid] = now
             if out.finished:
                 active -= 1
-                t_add, req = added[rid]
-                stats.ttft_s.append(first[rid] - t_add)
-                stats.e2e_s.append(now - t_add)
+                req = added[out.request_id]
+                arrival = out.metrics["arrival_time"]
+                first = out.metrics.get("first_token_time", now)
+                stats.ttft_s.append(first - arrival)
+                stats.e2e_s.append(now - arrival)
                 if req.output_len > 1:
-                    stats.tpot_s.append((now - first[rid]) / (req.output_len - 1))
+                    stats.tpot_s.append((now - first) / (req.output_len - 1))
                 if bar is not None:
                     bar.update(1)
     stats.elapsed_s = time.perf_counter() - started
@@ -144,7 +146,8 @@ def drive(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], con
 
 
 # -- building the engine and the workload ------------------------------------------------------
-def _make_llm(args: argparse.Namespace) -> Any:
+def make_llm(args: argparse.Namespace) -> Any:
+    """The ``LLM`` a ``throughput`` or ``latency`` command line describes (starts Ray)."""
     from raypp import LLM
     from raypp.bench.cluster import start_ray
     from raypp.entrypoints.args import engine_kwargs, resolve_model
@@ -160,16 +163,32 @@ def _requests(args: argparse.Namespace, engine: Any) -> list[BenchRequest]:
         return dataset_requests(args.dataset, engine.tokenizer, args.output_len, args.num_prompts)
     avoid = special_token_ids(engine.tokenizer, engine.output_processor.eos_token_ids)
     return synthetic_requests(args.num_prompts, args.input_len, args.output_len,
-                              engine.config.model.vocab_size, avoid, args.seed)
+                              engine.config.model.vocab_size, avoid, args.seed,
+                              args.shared_prefix_len)
 
 
 def _warm_up(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], n: int) -> None:
-    """A few short requests so start-up effects stay out of the timed run."""
-    if n <= 0:
-        return
-    warm = [BenchRequest(r.prompt_token_ids, min(4, r.output_len)) for r in requests[:n]]
-    drive(engine, recorder, warm, len(warm), prefix="warmup")
-    _discard_traces(engine)
+    """A few short requests so start-up effects stay out of the timed run, which starts
+    with an empty prefix cache all the same."""
+    if n > 0:
+        warm = [BenchRequest(r.prompt_token_ids, min(4, r.output_len)) for r in requests[:n]]
+        drive(engine, recorder, warm, len(warm), prefix="warmup")
+        _discard_traces(engine)
+    engine.reset_prefix_cache()
+
+
+class _PrefixCacheDelta:
+    """The prefix cache's lookups and hits (prompt tokens) from construction to :meth:`stop`."""
+
+    def __init__(self, engine: Any):
+        self.scheduler = engine.scheduler
+        self.start = (self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits)
+
+    def stop(self) -> dict[str, Any]:
+        queries = self.scheduler.prefix_cache_queries - self.start[0]
+        hits = self.scheduler.prefix_cache_hits - self.start[1]
+        return {"queried_tokens": queries, "hit_tokens": hits,
+                "hit_rate": round(hits / queries, 4) if queries else 0.0}
 
 
 def _discard_traces(engine: Any) -> None:
@@ -196,11 +215,13 @@ def _base_result(args: argparse.Namespace, engine: Any, requests: list[BenchRequ
         "max_inflight": cfg.scheduler.max_inflight,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         "concurrency": concurrency,
         "control_plane": getattr(engine.executor, "control_plane", "cgraph"),
         "pp_transport": _pp_transport(engine),
         "dataset": args.dataset,
         "input_len": None if args.dataset else args.input_len,
+        "shared_prefix_len": None if args.dataset else args.shared_prefix_len,
         "output_len": None if args.dataset else args.output_len,
     }
 
@@ -280,7 +301,7 @@ def _title(kind: str, result: dict[str, Any]) -> str:
 def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
     """Offline throughput: all requests queued (or ``--concurrency`` at a time)."""
     owned = llm is None
-    llm = llm or _make_llm(args)
+    llm = llm or make_llm(args)
     engine = llm.engine
     recorder = StepRecorder(engine.executor)
     try:
@@ -291,6 +312,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         meter = CpuMeter.with_driver(_stage_pids(engine))
         engine.trace_steps = True
         load_at_start = _load_avg()
+        prefix_cache = _PrefixCacheDelta(engine)
         meter.start()
         with tqdm(total=len(requests), desc="bench throughput", dynamic_ncols=True,
                   disable=args.no_progress) as bar:
@@ -300,7 +322,8 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         result = {"benchmark": "throughput", **_base_result(args, engine, requests, concurrency),
                   **_throughput_numbers(requests, stats),
                   "ttft_ms": _ms_summary(stats.ttft_s), "tpot_ms": _ms_summary(stats.tpot_s),
-                  "cpu": cpu, "load_avg_at_start": load_at_start}
+                  "prefix_cache": prefix_cache.stop(), "cpu": cpu,
+                  "load_avg_at_start": load_at_start}
         _print_summary(result)
         return _finish(args, engine, recorder, result, _title("throughput", result))
     finally:
@@ -312,7 +335,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
 def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
     """Latency of one batch of ``--num-prompts`` requests, over ``--num-iters`` runs."""
     owned = llm is None
-    llm = llm or _make_llm(args)
+    llm = llm or make_llm(args)
     engine = llm.engine
     recorder = StepRecorder(engine.executor)
     try:
@@ -320,6 +343,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         _warm_up(engine, recorder, requests, args.num_warmup)
         for i in range(args.num_iters_warmup):
             drive(engine, recorder, requests, len(requests), prefix=f"lat-warm{i}")
+            engine.reset_prefix_cache()  # every batch computes its prompts, as the first did
         _discard_traces(engine)
         recorder.clear()
         meter = CpuMeter.with_driver(_stage_pids(engine))
@@ -331,6 +355,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         for i in tqdm(range(args.num_iters), desc="bench latency", dynamic_ncols=True,
                       disable=args.no_progress):
             stats = drive(engine, recorder, requests, len(requests), prefix=f"lat{i}")
+            engine.reset_prefix_cache()
             latencies.append(stats.elapsed_s)
             for name in ("elapsed_s", "steps", "step_wall_s", "wait_s", "submit_s"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
@@ -364,8 +389,13 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"{r['mean_step_ms']:.2f} ms/step, engine overhead "
         f"{100 * (r['engine_overhead_share'] or 0):.1f}% of step time",
         f"TTFT p50 {r['ttft_ms'].get('p50', float('nan')):.1f} ms, "
+        f"p99 {r['ttft_ms'].get('p99', float('nan')):.1f} ms, "
         f"TPOT p50 {r['tpot_ms'].get('p50', float('nan')):.2f} ms",
     ]
+    if "prefix_cache" in r:
+        pc = r["prefix_cache"]
+        lines.append(f"prefix caching {'on' if r['enable_prefix_caching'] else 'off'}: "
+                     f"{pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens cached")
     if "latency_s" in r:
         lat = r["latency_s"]
         lines.append(f"batch latency: mean {lat['mean']:.3f} s, p50 {lat['p50']:.3f} s, "
@@ -383,7 +413,11 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
                         help="use the demo model (SmolLM2-135M-Instruct, fetched once)")
     parser.add_argument("--num-prompts", type=int, default=num_prompts,
                         help="synthetic requests (or the first N of --dataset)")
-    parser.add_argument("--input-len", type=int, default=32, help="synthetic prompt tokens")
+    parser.add_argument("--input-len", type=int, default=32,
+                        help="synthetic prompt tokens (each prompt's own, after the shared prefix)")
+    parser.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                        help="synthetic prompts all start with the same N tokens (a system "
+                             "prompt; compare with --no-enable-prefix-caching)")
     parser.add_argument("--output-len", type=int, default=64,
                         help="tokens generated per request (forced: ignore_eos + max_tokens)")
     parser.add_argument("--dataset", default=None, metavar="FILE.jsonl",

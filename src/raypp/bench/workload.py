@@ -31,13 +31,19 @@ class BenchRequest:
 
 
 def synthetic_requests(num: int, input_len: int, output_len: int, vocab_size: int,
-                       avoid: set[int], seed: int = 0) -> list[BenchRequest]:
-    """``num`` prompts of ``input_len`` random token ids (never one in ``avoid``)."""
+                       avoid: set[int], seed: int = 0, shared_prefix_len: int = 0
+                       ) -> list[BenchRequest]:
+    """``num`` prompts of random token ids (never one in ``avoid``): the same
+    ``shared_prefix_len`` tokens first in every prompt (a system prompt), then
+    ``input_len`` of its own."""
     if num < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if shared_prefix_len < 0:
+        raise ValueError("--shared-prefix-len must be >= 0")
     rng = random.Random(seed)
     allowed = [t for t in range(vocab_size) if t not in avoid]
-    return [BenchRequest([rng.choice(allowed) for _ in range(input_len)], output_len)
+    prefix = [rng.choice(allowed) for _ in range(shared_prefix_len)]
+    return [BenchRequest(prefix + [rng.choice(allowed) for _ in range(input_len)], output_len)
             for _ in range(num)]
 
 

@@ -63,6 +63,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of which found there
 
 
 class _Stream:
@@ -297,6 +299,8 @@ class AsyncLLMEngine:
             kv_blocks_used=engine.block_manager.num_used,
             kv_blocks_total=engine.block_manager.num_blocks,
             steps=self._stats.steps + (0 if idle else 1),
+            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
+            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
         )
         if not idle:
             self._steps_since_drain += 1

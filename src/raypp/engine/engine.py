@@ -76,7 +76,7 @@ class LLMEngine:
         self._needs_restart = False
         self._restart_error = ""
         self._dead: str | None = None
-        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.cache.block_size)
+        self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_builder = StepBuilder(self.scheduler)
@@ -275,7 +275,7 @@ class LLMEngine:
     def _fail_batch(self, batch: MicroBatch, message: str, kind: ErrorKind
                     ) -> list[RequestOutput]:
         """Finish every request with a sequence in ``batch`` with an error."""
-        self.scheduler.complete(batch)
+        self.scheduler.complete(batch, ok=False)
         failed: dict[str, Request] = {}
         for item in batch.seqs:
             request = self.requests.get(item.seq.request_id)
@@ -332,13 +332,22 @@ class LLMEngine:
             logger.error("%s", self._restart_error)
             return False
         self._restart_error = ""
-        if self.executor.num_kv_blocks != self.block_manager.num_blocks:
-            self.block_manager = BlockManager(self.executor.num_kv_blocks,
-                                              self.config.cache.block_size)
-            self.scheduler.blocks = self.block_manager
+        # the new workers' caches are empty: forget every cached prefix (no block is in
+        # use: failed requests were finished and the running ones requeued)
+        self.block_manager = self.scheduler.blocks = self._new_block_manager()
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
         return True
+
+    def _new_block_manager(self) -> BlockManager:
+        cache = self.config.cache
+        return BlockManager(self.executor.num_kv_blocks, cache.block_size,
+                            enable_caching=cache.enable_prefix_caching)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (later prompts compute from scratch); False, and
+        nothing forgotten, while a request holds cache blocks."""
+        return self.block_manager.reset_cache()
 
     def _fail_all(self, message: str) -> None:
         for request in list(self.requests.values()):

@@ -187,4 +187,4 @@ def request_output(request: Request) -> RequestOutput:
         metrics["first_token_time"] = request.first_token_time
     return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                          completions, request.finished, metrics, request.error,
-                         request.error_kind)
+                         request.error_kind, request.seqs[0].num_cached_tokens or 0)

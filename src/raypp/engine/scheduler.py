@@ -3,12 +3,16 @@
 FCFS. Each call to :meth:`Scheduler.schedule` picks sequences that are not
 already in flight: running sequences first (one decode token, or the next chunk
 of a long prompt), then waiting ones while the token, sequence and block budgets
-allow. When blocks run out a running sequence is preempted by recompute (its
-blocks are freed and it re-enters the waiting queue at the front; its output so
-far is kept, so the result is identical to an unpreempted run). A sequence is
-never in two micro-batches at once, except that :meth:`Scheduler.continue_batch`
-may put a decode batch's sequences into their next round while the current one
-runs (asynchronous scheduling); results are completed in submission order.
+allow. A waiting sequence starts with the longest run of its leading blocks the
+prefix cache holds and computes from the first token after them (always at least
+its last token). When blocks run out a running sequence is preempted by
+recompute (its blocks are freed, the computed ones staying cached, and it
+re-enters the waiting queue at the front; its output so far is kept, so the
+result is identical to an unpreempted run). Cached blocks nobody uses count as
+free: taking one evicts it. A sequence is never in two micro-batches at once,
+except that :meth:`Scheduler.continue_batch` may put a decode batch's sequences
+into their next round while the current one runs (asynchronous scheduling);
+results are completed in submission order.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # prompt tokens looked up in the prefix cache when first scheduled, and found
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -56,7 +63,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Forget a finished or aborted sequence and free its blocks."""
+        """Forget a finished or aborted sequence and free its blocks (the computed
+        full ones stay in the prefix cache)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -99,12 +107,19 @@ class Scheduler:
         while self.waiting and len(chosen) < seq_cap and token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
-            n = self._chunk(seq, token_budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            seq = self.waiting[0]  # holds no blocks: new, or preempted (it recomputes)
+            cached = self.blocks.find_cached(seq)
+            start = len(cached) * self.blocks.block_size
+            n = min(seq.num_tokens - start, token_budget)
+            if not self.blocks.can_allocate(seq, start + n, cached):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            self.blocks.allocate(seq, start + n, cached)
+            if seq.num_cached_tokens is None:  # first scheduled: what the cache supplied
+                seq.num_cached_tokens = start
+                if self.blocks.enable_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
@@ -215,16 +230,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- results --------------------------------------------------------------------------
-    def complete(self, batch: MicroBatch) -> None:
-        """Mark a micro-batch's tokens as computed (before appending sampled tokens).
+    def complete(self, batch: MicroBatch, ok: bool = True) -> None:
+        """Mark a micro-batch's tokens as computed (before appending sampled tokens)
+        and offer the blocks this fills to the prefix cache; ``ok=False``: the step
+        failed, nothing it fed counts as computed.
 
         After ``k`` decode steps a sequence's input token and the first ``k - 1``
         sampled ones are in the cache; the last sampled one is not.
         """
+        block_size = self.blocks.block_size
+        caching = self.blocks.enable_caching
         for item in batch.seqs:
-            item.seq.in_flight = max(0, item.seq.in_flight - 1)
-            if item.seq.status is SequenceStatus.RUNNING:
-                item.seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
+            seq = item.seq
+            seq.in_flight = max(0, seq.in_flight - 1)
+            if ok and seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
+                # most decode steps fill no block: skip the call (this runs per row per step)
+                if caching and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
+                    self.blocks.register(seq)
 
 
 def _loops_on_device(item: ScheduledSeq) -> bool:

@@ -23,6 +23,11 @@ class Sequence:
 
     Invariant: the KV of ``all_token_ids[:num_computed_tokens]`` is in the cache
     blocks listed by ``block_table``; the next step feeds the tokens after that.
+    Prefix caching: ``block_hashes`` are the content hashes of the full blocks hashed
+    so far (:mod:`raypp.engine.block_hash`); the first ``num_registered_blocks`` of
+    ``block_table`` were offered to the cache (computed, full);
+    ``num_cached_tokens`` is how many prompt tokens the cache supplied when the
+    sequence was first scheduled (``None`` before).
     """
 
     seq_id: int
@@ -35,6 +40,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     in_flight: int = 0  # micro-batches in flight that hold this sequence
     finish_reason: str | None = None

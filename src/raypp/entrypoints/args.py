@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="submit a decode batch's next multi-step round "
                         "before reading the current one (pp=1; default on)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="reuse the KV of prompt prefixes seen before "
+                        "(default on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per stage on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -85,6 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
         "num_decode_steps": args.num_decode_steps,
         "async_scheduling": args.async_scheduling,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "layer_partition": args.layer_partition,

@@ -63,6 +63,12 @@ class ServerMetrics:
             registry=r)
         self.kv_used = Gauge("raypp_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_total = Gauge("raypp_kv_blocks_total", "KV cache blocks per stage", registry=r)
+        self.prefix_queries = Counter(
+            "raypp_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+            "(when a request is first scheduled)", registry=r)
+        self.prefix_hits = Counter(
+            "raypp_prefix_cache_hits", "Prompt tokens the prefix cache supplied", registry=r)
+        self._prefix_seen = (0, 0)  # the engine's cumulative (queries, hits) at the last scrape
         self.stage_step = Histogram(
             "raypp_stage_step_seconds", "Compute time of one micro-batch on one pipeline stage",
             ["stage"], buckets=_STEP_BUCKETS, registry=r)
@@ -74,6 +80,10 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        queries, hits = self._prefix_seen
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - queries))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - hits))
+        self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         for stage, seconds in engine.pop_stage_times():
             self.stage_step.labels(stage=str(stage)).observe(seconds)
         return generate_latest(self.registry)

@@ -161,10 +161,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(_Open):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(_Open):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class ModelCard(_Open):

@@ -10,7 +10,9 @@ What callers may rely on:
 - A non-streaming request whose client disconnects is aborted (its KV blocks
   freed) and answered 499; an engine failure is answered as
   :func:`~raypp.entrypoints.openai.errors.generation_failure` says.
-- Every request's tokens, timings and outcome go to the server's metrics.
+- Every request's tokens, timings and outcome go to the server's metrics; ``usage``
+  reports the prompt tokens the prefix cache supplied as
+  ``prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Job:
     params: SamplingParams
     tracker: RequestTracker
     final: dict[tuple[int, int], CompletionOutput] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: from the cache
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,7 +61,9 @@ class _Job:
     def usage(self) -> p.UsageInfo:
         completion = sum(len(c.token_ids) for c in self.final.values())
         return p.UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                           total_tokens=self.prompt_tokens + completion)
+                           total_tokens=self.prompt_tokens + completion,
+                           prompt_tokens_details=p.PromptTokensDetails(
+                               cached_tokens=sum(self.cached_tokens.values())))
 
     def choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.params.n + completion_index
@@ -233,6 +238,7 @@ class OpenAIServing:
             async with contextlib.aclosing(merge(gens)) as merged:
                 async for i, out in merged:
                     job.tracker.update(out, i)
+                    job.cached_tokens[i] = out.num_cached_tokens
                     for c in out.outputs:
                         job.final[(i, c.index)] = c
                     yield i, out
