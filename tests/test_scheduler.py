@@ -249,6 +249,38 @@ def _decoding(num_blocks: int, max_tokens: list[int], prompt_len: int = 6, steps
     return sched, sched.schedule()
 
 
+def test_a_waiting_request_that_could_join_gets_single_steps():
+    """Multi-step rounds only while no waiting request could join: with one waiting and a
+    free sequence slot, the decode batch takes one step (its prefill then joins at once);
+    once the slots are full, rounds are multi-step again."""
+    sched, batch = _decoding(num_blocks=64, max_tokens=[20, 20])
+    assert batch.num_steps == 4  # nothing waits
+    sched.complete(batch)
+    for item in batch.seqs:
+        item.seq.output_token_ids.extend([1] * 4)
+    sched.add(Sequence(9, "9", 0, list(range(50, 59)), SamplingParams(max_tokens=20), seed=0))
+    mixed = sched.schedule()  # the waiting one joins this batch: prefill, one step
+    assert mixed.num_steps == 1 and len(mixed.seqs) == 3
+    sched.config.max_num_seqs = 3  # all slots taken now
+    sched.complete(mixed)
+    for item in mixed.seqs:
+        item.seq.output_token_ids.append(1)
+    sched.add(Sequence(10, "10", 0, list(range(60, 69)), SamplingParams(max_tokens=20), seed=0))
+    assert not sched.can_admit()
+    assert sched.schedule().num_steps == 4  # it could not join anyway
+
+
+def test_a_waiting_request_blocked_by_the_token_budget_is_not_held_back():
+    sched, batch = _decoding(num_blocks=64, max_tokens=[20, 20])
+    sched.complete(batch)
+    for item in batch.seqs:
+        item.seq.output_token_ids.extend([1] * 4)
+    sched.config.max_num_batched_tokens = 2  # the decodes use the whole step budget
+    sched.add(Sequence(9, "9", 0, list(range(50, 59)), SamplingParams(max_tokens=20), seed=0))
+    step = sched.schedule()
+    assert [len(step.seqs), step.num_steps] == [2, 1] and sched.can_admit()
+
+
 def test_continue_batch_room_blocks_and_in_flight_counts():
     sched, first = _decoding(num_blocks=100, max_tokens=[100, 6])
     assert first.num_steps == 4 and first.ahead == 0

@@ -233,8 +233,10 @@ class SchedulerConfig:
     ``num_decode_steps`` > 1 lets a micro-batch of pure decode sequences run up to
     that many decode steps in one round trip to the stage: the stage feeds each
     sampled token straight back as the next input, on the device. Outputs are
-    identical to single steps (tokens past a stop are dropped); new requests wait
-    at most one such multi-step, and streamed tokens arrive in groups. Needs
+    identical to single steps (tokens past a stop are dropped). A round takes several
+    steps only while no waiting request could join a batch (otherwise one step, so a
+    prefill is never held back by more than the round in flight); streamed tokens
+    arrive in groups. Needs
     ``pipeline_parallel_size == 1``; sequences with penalties decode one step at a time.
 
     ``async_scheduling`` (one-stage pipelines): while a multi-step decode round runs,

@@ -130,7 +130,10 @@ class Scheduler:
         for item in chosen:
             item.seq.in_flight += 1
         steps = 1
-        if self.config.num_decode_steps > 1 and all(_loops_on_device(item) for item in chosen):
+        # several decode steps per round only while no waiting request could join a batch:
+        # a round of K steps would hold its prefill back for K steps
+        if (self.config.num_decode_steps > 1 and not self.can_admit()
+                and all(_loops_on_device(item) for item in chosen)):
             steps = self._decode_horizon([item.seq for item in chosen], ahead=0)
         return MicroBatch(chosen, steps)
 
