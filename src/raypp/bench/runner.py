@@ -91,6 +91,16 @@ def _discard_traces(engine: Any) -> None:
     drain_stage_comm(engine.executor)
 
 
+def _nice(pid: int = 0) -> int | None:
+    """A process's niceness (Ray starts its workers at 15; ``None`` if not readable)."""
+    import os
+
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
+
+
 def _stage_pids(engine: Any) -> dict[str, int]:
     import ray
 
@@ -137,7 +147,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
 def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
     """Offline throughput: all requests queued (or ``--concurrency`` at a time); with
     ``--compare-hf``, then transformers on the same requests (after an engine this call
-    started has shut down, so the two never share the device)."""
+    started has shut down and Ray with it, so the two never share the device)."""
     owned = llm is None
     llm = llm or make_llm(args)
     engine = llm.engine
@@ -147,7 +157,8 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         concurrency = args.concurrency or len(requests)
         _warm_up(engine, recorder, requests, args.num_warmup)
         recorder.clear()
-        meter = CpuMeter.with_driver(_stage_pids(engine))
+        pids = _stage_pids(engine)
+        meter = CpuMeter.with_driver(pids)
         engine.trace_steps = True
         load_at_start = load_avg()
         prefix_cache = _PrefixCacheDelta(engine)
@@ -162,6 +173,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
                   "ttft_ms": ms_summary(stats.ttft_s), "tpot_ms": ms_summary(stats.tpot_s),
                   "step_ms": step_summary(stats.step_times),
                   "prefix_cache": prefix_cache.stop(), "cpu": cpu,
+                  "nice": {name: _nice(pid) for name, pid in pids.items()},
                   "load_avg_at_start": load_at_start}
         _attach_timeline(args, engine, recorder, result, "throughput")
         model, dtype, device = engine.config.model.model, engine.config.model.torch_dtype, \
@@ -171,6 +183,10 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         if owned:
             llm.shutdown()
     if args.compare_hf:
+        if owned:  # leave transformers the machine: no raylet, no idle workers starting up
+            import ray
+
+            ray.shutdown()
         result["transformers"] = _transformers(args, model, dtype, device, requests,
                                                stats.output_token_ids)
         result["vs_transformers"] = comparison(result, result["transformers"])
@@ -183,6 +199,7 @@ def _transformers(args: argparse.Namespace, model: str, dtype: Any, device: str,
     """``--compare-hf``: transformers' numbers on ``requests`` and its token agreement."""
     import time
 
+    import torch
     import transformers
 
     from raypp.bench.hf_baseline import load_hf_model, resolve_cache, run_hf_generate, token_agreement
@@ -196,7 +213,9 @@ def _transformers(args: argparse.Namespace, model: str, dtype: Any, device: str,
     del hf_model
     prompt_tokens = sum(r.prompt_len for r in requests)
     output_tokens = sum(r.output_len for r in requests)
-    return {"version": transformers.__version__, "cache": run.cache,
+    return {"version": transformers.__version__, "torch_threads": torch.get_num_threads(),
+            "nice": _nice(),
+            "cache": run.cache,
             "torch_compile": run.compiled, "batch_size": run.batch_size,
             "load_s": round(load_s, 3), "warmup_s": round(run.warmup_s, 3),
             "num_output_tokens": output_tokens, "elapsed_s": round(run.elapsed_s, 6),
