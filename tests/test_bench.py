@@ -110,12 +110,61 @@ def test_throughput_with_a_shared_prefix_reports_cache_hits(bench_llm):
     assert set(result["ttft_ms"]) >= {"p50", "p99"}
 
 
-def test_latency_json(bench_llm, tmp_path):
+def test_throughput_compare_hf_generates_raypp_greedy_tokens(bench_llm, tmp_path):
+    """transformers' generate on the same prompts (lengths 3 to 11, so left padding) and
+    output lengths (two, so two batches of at most 2) yields raypp's greedy ids exactly."""
+    from raypp.bench.runner import run_throughput
+
+    data = tmp_path / "d.jsonl"
+    prompts = [[5 + k + j for j in range(n)] for k, n in enumerate((3, 11, 7, 5, 9))]
+    data.write_text("".join(json.dumps({"prompt_token_ids": p, "output_len": 6 + 2 * (k % 2)})
+                            + "\n" for k, p in enumerate(prompts)))
+    args = _args("bench", "throughput", "--dataset", str(data), "--num-warmup", "1",
+                 "--compare-hf", "--hf-batch-size", "2", "--no-progress",
+                 "--json", str(tmp_path / "tp.json"), "--plot", str(tmp_path / "tp.png"))
+    run_throughput(args, llm=bench_llm)
+    saved = json.loads((tmp_path / "tp.json").read_text())
+    hf = saved["transformers"]
+    assert hf["cache"] == "dynamic" and hf["torch_compile"] is False  # CPU: auto = dynamic
+    assert hf["batch_size"] == 2 and hf["num_output_tokens"] == saved["num_output_tokens"] == 34
+    assert hf["tokens_match"] == {"requests": 5, "identical": 5, "first_difference": None}
+    assert hf["output_tokens_per_s"] == pytest.approx(34 / hf["elapsed_s"], rel=1e-3)
+    for key in ("output_tokens_per_s", "total_tokens_per_s"):
+        row = saved["vs_transformers"][key]
+        assert row["raypp"] == saved[key] and row["transformers"] == hf[key]
+        assert row["ratio"] == pytest.approx(saved[key] / hf[key], rel=1e-3)
+    assert saved["device"] == "cpu" and saved["plot"] == str(tmp_path / "tp.png")
+    assert (tmp_path / "tp.png").read_bytes().startswith(PNG_MAGIC)
+
+    args = _args("bench", "throughput", "--dataset", str(data), "--num-warmup", "0",
+                 "--compare-hf", "--hf-cache", "static", "--no-progress")
+    hf = run_throughput(args, llm=bench_llm)["transformers"]  # a fixed-size cache, one batch
+    assert hf["cache"] == "static" and hf["batch_size"] == 5
+    assert hf["tokens_match"]["identical"] == 5
+
+
+def test_hf_baseline_batches_and_token_agreement():
+    from raypp.bench.hf_baseline import _batches, resolve_cache, token_agreement
+    from raypp.bench.workload import BenchRequest
+
+    reqs = [BenchRequest([1], n) for n in (4, 8, 4, 4, 8)]
+    assert _batches(reqs, 2) == [[0, 2], [3], [1, 4]]
+    assert resolve_cache("auto", "cpu") == "dynamic" and resolve_cache("auto", "cuda") == "static"
+    assert resolve_cache("static", "cpu") == "static"
+    with pytest.raises(ValueError):
+        resolve_cache("paged", "cpu")
+    agree = token_agreement({0: [1, 2, 3], 1: [4, 5, 6]}, [[1, 2, 3], [4, 9, 6]])
+    assert agree == {"requests": 2, "identical": 1, "first_difference":
+                     {"request": 1, "position": 1, "raypp": 5, "transformers": 9}}
+
+
+def test_latency_json_steps_and_plot(bench_llm, tmp_path):
     from raypp.bench.runner import run_latency
 
     args = _args("bench", "latency", "--num-prompts", "2", "--input-len", "6",
                  "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
-                 "--num-warmup", "0", "--no-progress", "--json", str(tmp_path / "lat.json"))
+                 "--num-warmup", "0", "--no-progress", "--json", str(tmp_path / "lat.json"),
+                 "--plot", str(tmp_path / "lat.png"))
     run_latency(args, llm=bench_llm)
     saved = json.loads((tmp_path / "lat.json").read_text())
     assert saved["benchmark"] == "latency"
@@ -124,6 +173,27 @@ def test_latency_json(bench_llm, tmp_path):
     lat = saved["latency_s"]
     assert lat["n"] == 2 and 0 < lat["min"] <= lat["p50"] <= lat["max"]
     assert lat["max"] <= saved["elapsed_s"]
+
+    steps = saved["steps"]
+    assert {r["batch"] for r in steps} == {0, 1}
+    read = [r for r in steps if r["kind"] != "idle"]  # every micro-batch is read once
+    assert len(read) == saved["engine_steps"]
+    for batch in (0, 1):
+        mine = [r for r in steps if r["batch"] == batch]
+        assert [r["index"] for r in mine] == list(range(len(mine)))
+        assert mine[0]["kind"] == "prefill"  # the batch's first step reads its prompts
+        # both prompts (12 tokens) computed once; 3 more tokens each decoded one at a time
+        assert sum(r["tokens"] for r in mine if r["kind"] == "prefill") == 12
+        assert sum(r["tokens"] for r in mine if r["kind"] == "decode") == 2 * 3
+    for r in read:
+        assert r["wall_ms"] > 0 and r["micro_batch_ms"] > 0
+        assert (r["tokens"] > r["seqs"]) == (r["kind"] == "prefill")
+    summary = saved["step_ms"]
+    for kind in ("prefill", "decode"):
+        wall = summary[kind]["wall_ms"]
+        assert wall["n"] == sum(r["kind"] == kind for r in steps)
+        assert wall["min"] <= wall["p50"] <= wall["p99"] <= wall["max"]
+    assert (tmp_path / "lat.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_dataset_and_synthetic_requests(tmp_path, tiny_llama):

@@ -8,7 +8,7 @@ Sources, all wall-clock (``time.time``) on one host:
   is the k-th traced step the driver submitted;
 - per-stage send/recv intervals of :class:`RayPPCommunicator` (only when the
   engine started with ``RAYPP_TRACE_COMM=1``);
-- driver-side submit and wait intervals from :class:`raypp.bench.runner.StepRecorder`.
+- driver-side submit and wait intervals from :class:`raypp.bench.steps.StepRecorder`.
 
 Outputs: a Chrome trace (open in https://ui.perfetto.dev; one track per stage
 plus the driver) and a PNG Gantt chart in which idle stages (bubbles) are white.
