@@ -111,10 +111,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_FUSED_DECODE": (
         _int("RAYPP_FUSED_DECODE", "64"),
-        "The largest decode batch whose CUDA graph captures the fused Triton kernel chain "
-        "(raypp.model.fused_decode: GEMV at batch 1, split-K GEMM up to 64 rows, chained "
-        "with programmatic dependent launch on Hopper); default 64, the chain's limit. "
-        "Larger batches, and all with 0, capture the compiled forward.",
+        "The largest decode batch whose CUDA graph captures the model family's fused Triton "
+        "kernel chain (fused_decode_forward, e.g. LlamaStageModel's: GEMV at batch 1, split-K "
+        "GEMM up to 64 rows, chained with programmatic dependent launch on Hopper); default "
+        "64, the chain's limit. Larger batches, and all with 0, capture the compiled forward.",
     ),
     "RAYPP_PLACEMENT_STRATEGY": (
         _str("RAYPP_PLACEMENT_STRATEGY", "PACK"),
