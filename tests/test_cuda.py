@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_reference import (
+    BLOCK_SIZE,
+    assert_graph_replays_match_eager,
+    assert_logprobs_within_transformers_error,
+    hf_greedy_cuda,
+    rel,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -16,24 +23,16 @@ pytestmark = [
 ]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("compile_forward,fused_max_rows", [(True, 64), (True, 1), (False, 0)])
 def test_decode_graphs_match_eager(tiny_llama, compile_forward, fused_max_rows):
     """Graph replays (with padding rows) give the eager unfused forward's logits, whether
     a size holds the fused kernel chain, the compiled forward or the eager one."""
-    from dataclasses import replace
-
     from raypp.config import ModelConfig
     from raypp.model.base import StageSpec
     from raypp.model.layers import TPContext
     from raypp.model.llama import LlamaStageModel
     from raypp.model.loader import load_stage_weights
-    from raypp.step import StepInput
     from raypp.worker.cuda_graphs import DecodeGraphs, capture_sizes
-    from raypp.worker.model_runner import attention_metadata
 
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     mc = ModelConfig(str(tiny_llama), dtype="float32")
@@ -42,8 +41,7 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward, fused_max_rows):
         model = LlamaStageModel(mc.hf_config, stage, TPContext(), torch.float32, "triton")
     load_stage_weights(model, mc.model)
     model.eval()
-    block_size, blocks = 16, 64
-    caches = [torch.randn(2, blocks, block_size, mc.num_kv_heads, mc.head_dim, device="cuda")
+    caches = [torch.randn(2, 64, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, device="cuda")
               for _ in range(mc.num_layers)]
     graphs = DecodeGraphs(model, caches, is_first=True, is_last=True, max_num_seqs=8,
                           max_blocks_per_seq=8,
@@ -55,30 +53,7 @@ def test_decode_graphs_match_eager(tiny_llama, compile_forward, fused_max_rows):
     assert graphs.fused_sizes == fused
     assert graphs.compiled_sizes == ([g for g in [8, 4, 2] if g not in fused]
                                      if compile_forward else [])
-    for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
-        tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
-        step = StepInput(
-            step_id=0, input_ids=[7 + i for i in range(n)], positions=[c - 1 for c in context],
-            query_start=list(range(n + 1)), seq_lens=context, block_tables=tables,
-            slot_mapping=[t[(c - 1) // block_size] * block_size + (c - 1) % block_size
-                          for t, c in zip(tables, context, strict=True)],
-            sample_rows=list(range(n)), sampling=None)
-        assert graphs.can_run(step)
-        before = [c.clone() for c in caches]
-        with torch.inference_mode():
-            got = graphs.run(step, None).clone()
-            after_graph = [c.clone() for c in caches]
-            for c, b in zip(caches, before, strict=True):
-                c.copy_(b)
-            # the reference takes the unfused path: rotary, then store + decode kernels
-            meta = replace(attention_metadata(step, torch.device("cuda")), decode_only=False)
-            positions = torch.tensor(step.positions, device="cuda")
-            ids = torch.tensor(step.input_ids, device="cuda")
-            want = model.compute_logits(model(positions, meta, caches, input_ids=ids)[0])
-        assert got.shape == (n, mc.vocab_size)
-        assert _rel(got, want) < 1e-4
-        for c, g in zip(caches, after_graph, strict=True):  # padding rows wrote nothing
-            torch.testing.assert_close(g, c, rtol=1e-4, atol=1e-4)
+    assert_graph_replays_match_eager(model, graphs, caches)
     assert graphs.replays == 3
 
 
@@ -143,22 +118,9 @@ def test_non_first_stage_replays_its_graph_on_a_real_handoff(tiny_llama):
         want = whole.execute(step, None)
         assert isinstance(got, StepOutput) and got.token_ids == want.token_ids
         logits = last.graphs.run(step, handoff).clone()
-        assert _rel(logits, whole.graphs.run(step, None)) < 1e-4
+        assert rel(logits, whole.graphs.run(step, None)) < 1e-4
     with pytest.raises(ValueError, match="needs the previous stage's hand-off"):
         last.graphs.load(step, None)
-
-
-def _hf_greedy(model_dir, prompts, max_tokens, dtype):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("eager,decode_steps,max_num_seqs",
@@ -184,7 +146,7 @@ def test_llm_on_cuda_matches_transformers(ray_cluster, tiny_llama, eager, decode
     finally:
         llm.shutdown()
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == _hf_greedy(str(tiny_llama), prompts, 24, torch.float32)
+    assert got == hf_greedy_cuda(tiny_llama, prompts, 24, torch.float32)
     assert (replays == -1) if eager else (replays > 0 and fused == capture_sizes(max_num_seqs))
 
 
@@ -196,8 +158,6 @@ def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie
     transformers' own half-precision logprobs are (relative error at most 1.5x theirs,
     plus 1e-3), and every greedy token is transformers' choice in the same dtype or
     within ``tie`` nats of it (bf16 keeps 8 significant bits: logits near 8 round to 1/32)."""
-    import transformers
-
     from raypp import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
@@ -206,29 +166,8 @@ def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie
              max_num_seqs=max_num_seqs, num_decode_steps=4) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    def hf_logprobs(torch_dtype: torch.dtype) -> list[torch.Tensor]:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tiny_llama), dtype=torch_dtype).cuda()
-        refs = []
-        for prompt, out in zip(prompts, outs, strict=True):
-            ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
-            with torch.inference_mode():
-                refs.append(model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1))
-        return refs
-
-    half, full = hf_logprobs(getattr(torch, dtype)), hf_logprobs(torch.float32)
-    ours, theirs, norm = 0.0, 0.0, 0.0
-    for out, ref_half, ref in zip(outs, half, full, strict=True):
-        for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            assert ref_half[i, tok] >= ref_half[i].max() - tie, (i, tok, ref_half[i].argmax())
-            for tid, lp in top.items():
-                ours += (lp.logprob - ref[i, tid].item()) ** 2
-                theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
-                norm += ref[i, tid].item() ** 2
-    ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
-    print(f"{dtype} logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
-          f"transformers {dtype} {theirs:.2e}")
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_logprobs_within_transformers_error(tiny_llama, prompts, outs, getattr(torch, dtype),
+                                              tie, dtype)
 
 
 def test_multi_step_sampling_on_cuda_equals_single_steps(ray_cluster, tiny_llama):

@@ -11,46 +11,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_reference import (
+    BLOCK_SIZE,
+    DEVICE,
+    assert_graph_replays_match_eager,
+    assert_logprobs_within_transformers_error,
+    hf_greedy_cuda,
+    pdl_modes,
+    ref_decode,
+    rel,
+)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-DEVICE = "cuda"
 FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_gemma3"]
 TOLERANCES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _pdl_modes() -> tuple[bool, ...]:
-    from raypp.kernels.tuning import pdl_supported
-
-    return (False, True) if pdl_supported(torch.device(DEVICE)) else (False,)
-
-
-def _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale, window):
-    """float64 attention of one query per sequence over the last ``window`` tokens of its
-    cached context (all of it when ``window`` is None)."""
-    seqs, heads, dim = q.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    out = torch.zeros(seqs, heads, dim, dtype=torch.float64, device=q.device)
-    for s in range(seqs):
-        n = int(seq_lens[s])
-        if n == 0:
-            continue
-        first = 0 if window is None else max(0, n - window)
-        blocks = tables[s, : -(-n // block_size)]
-        keys = key_cache[blocks].reshape(-1, kv_heads, dim)[first:n].double()
-        values = value_cache[blocks].reshape(-1, kv_heads, dim)[first:n].double()
-        group = heads // kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        p = (torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale).softmax(-1)
-        out[s] = torch.einsum("hl,lhd->hd", p, values)
-    return out
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -74,12 +52,12 @@ def test_paged_decode_sliding_window_matches_reference(dtype, tol, heads, kv_hea
                           for _ in range(len(seq_lens))])
     q = torch.randn(len(seq_lens), heads, dim, device=DEVICE, generator=gen).to(dtype)
     scale = dim**-0.5
-    ref = _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale, window)
+    ref = ref_decode(q, key_cache, value_cache, tables, seq_lens, scale, window)
     for splits in (None, 1, 2, 7):
         out = ta.paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, splits=splits,
                               window=window)
         assert torch.isfinite(out).all() and out[1].abs().max() == 0
-        assert _rel(out, ref) < tol, (splits, _rel(out, ref))
+        assert rel(out, ref) < tol, (splits, rel(out, ref))
 
 
 @pytest.mark.parametrize("dtype,tol", TOLERANCES)
@@ -114,19 +92,19 @@ def test_rope_decode_attention_sliding_window(dtype, tol, heads, kv_heads, dim, 
     ta.store_kv(k, v.reshape(rows, kv_heads, dim), want_cache[0], want_cache[1], slot_mapping)
     want = ta.paged_decode(q, want_cache[0], want_cache[1], tables, seq_lens, dim**-0.5,
                            window=window).reshape(rows, heads * dim)
-    ref = _ref_decode(q, want_cache[0], want_cache[1], tables, seq_lens, dim**-0.5, window)
-    for pdl in _pdl_modes():
+    ref = ref_decode(q, want_cache[0], want_cache[1], tables, seq_lens, dim**-0.5, window)
+    for pdl in pdl_modes():
         got_cache = cache.clone()
         got = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, got_cache,
                                     slot_mapping, tables, seq_lens, heads, dim**-0.5, pdl,
                                     splits=splits, window=window)
         assert got.shape == (rows, heads * dim) and got.dtype == dtype
-        assert _rel(got, want) < tol, pdl
-        assert _rel(got, ref.reshape(rows, -1)) < tol, pdl
+        assert rel(got, want) < tol, pdl
+        assert rel(got, ref.reshape(rows, -1)) < tol, pdl
         assert not got[context.index(0)].any()
         written = slot_mapping[slot_mapping >= 0]
         flat = (-1, kv_heads, dim)
-        assert _rel(got_cache.view(2, *flat)[:, written],
+        assert rel(got_cache.view(2, *flat)[:, written],
                     want_cache.view(2, *flat)[:, written]) < tol
         untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=DEVICE)
         untouched[written] = False
@@ -153,7 +131,7 @@ def test_head_rms_norm_matches_module(dtype, heads, kv_heads, dim, rows):
     want_k = k_norm(k.reshape(rows, kv_heads, dim)).reshape(rows, -1)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2,
                                                                        "atol": 1e-2}
-    for pdl in _pdl_modes():
+    for pdl in pdl_modes():
         got = qkv.clone()
         assert head_rms_norm_(got, q_norm.weight, k_norm.weight, 1e-6, heads, kv_heads,
                               pdl) is got
@@ -223,7 +201,7 @@ def test_mixed_batch_with_window_and_qk_norm_matches_cpu_path(window, qk_norm):
                   _metadata(tables, query_lens, seq_lens, block_size, "cpu", decode))
         out = gpu(qkv.to(DEVICE), positions.to(DEVICE), gpu_cache,
                   _metadata(tables, query_lens, seq_lens, block_size, DEVICE, decode))
-        assert _rel(out.cpu(), ref) < 1e-5, (query_lens, _rel(out.cpu(), ref))
+        assert rel(out.cpu(), ref) < 1e-5, (query_lens, rel(out.cpu(), ref))
         assert torch.allclose(gpu_cache.cpu(), cpu_cache, atol=1e-5)
 
 
@@ -236,16 +214,12 @@ def test_family_decode_graphs_match_eager(request, family):
     the compiled forward above; Gemma 3: the compiled forward) give the eager unfused
     forward's logits, with contexts longer than the sliding windows; padding rows write
     nothing."""
-    from dataclasses import replace
-
     from raypp.config import ModelConfig
     from raypp.model.base import StageSpec
     from raypp.model.layers import TPContext
     from raypp.model.loader import load_stage_weights
     from raypp.model.registry import model_class
-    from raypp.step import StepInput
     from raypp.worker.cuda_graphs import DecodeGraphs
-    from raypp.worker.model_runner import attention_metadata
 
     model_dir = request.getfixturevalue(family)
     mc = ModelConfig(str(model_dir), dtype="float32")
@@ -256,8 +230,7 @@ def test_family_decode_graphs_match_eager(request, family):
     load_stage_weights(model, mc.model)
     model.eval()
     kv_heads, head_dim = model.kv_cache_layout()
-    block_size, blocks = 16, 64
-    caches = [torch.randn(2, blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    caches = [torch.randn(2, 64, BLOCK_SIZE, kv_heads, head_dim, device=DEVICE)
               for _ in range(mc.num_layers)]
     graphs = DecodeGraphs(model, caches, is_first=True, is_last=True, max_num_seqs=8,
                           max_blocks_per_seq=8, hidden_size=mc.hidden_size, dtype=torch.float32,
@@ -267,46 +240,12 @@ def test_family_decode_graphs_match_eager(request, family):
     assert chained == (family != "tiny_gemma3")
     assert graphs.fused_sizes == ([4, 2, 1] if chained else [])
     assert graphs.compiled_sizes == ([8] if chained else [8, 4, 2, 1])
-    for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
-        tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
-        step = StepInput(
-            step_id=0, input_ids=[7 + i for i in range(n)], positions=[c - 1 for c in context],
-            query_start=list(range(n + 1)), seq_lens=context, block_tables=tables,
-            slot_mapping=[t[(c - 1) // block_size] * block_size + (c - 1) % block_size
-                          for t, c in zip(tables, context, strict=True)],
-            sample_rows=list(range(n)), sampling=None)
-        assert graphs.can_run(step)
-        before = [c.clone() for c in caches]
-        with torch.inference_mode():
-            got = graphs.run(step, None).clone()
-            after_graph = [c.clone() for c in caches]
-            for c, b in zip(caches, before, strict=True):
-                c.copy_(b)
-            meta = replace(attention_metadata(step, torch.device(DEVICE)), decode_only=False)
-            positions = torch.tensor(step.positions, device=DEVICE)
-            ids = torch.tensor(step.input_ids, device=DEVICE)
-            want = model.compute_logits(model(positions, meta, caches, input_ids=ids)[0])
-        assert _rel(got, want) < 1e-4, (n, _rel(got, want))
-        for c, g in zip(caches, after_graph, strict=True):
-            torch.testing.assert_close(g, c, rtol=1e-4, atol=1e-4)
+    assert_graph_replays_match_eager(model, graphs, caches)
 
 
 # -- the engine against transformers -------------------------------------------------------
 
 PROMPTS = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
-
-
-def _hf_greedy(model_dir, prompts, max_tokens, dtype):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device=DEVICE)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -328,7 +267,7 @@ def test_family_on_cuda_matches_transformers(request, ray_cluster, family, eager
         replays = ray_cluster.get(worker.__ray_call__.remote(
             lambda w: -1 if w.decode_graphs is None else w.decode_graphs.replays))
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == _hf_greedy(str(model_dir), PROMPTS, 24, torch.float32)
+    assert got == hf_greedy_cuda(model_dir, PROMPTS, 24, torch.float32)
     assert (replays == -1) if eager else replays > 0
 
 
@@ -340,8 +279,6 @@ def test_family_bf16_matches_transformers(request, ray_cluster, family, max_num_
     logprobs are (relative error at most 1.5x theirs, plus 1e-3), and every greedy token
     is transformers' bf16 choice or within ``tie`` nats of it: 0.15, and 0.5 for Gemma 3,
     whose logits reach 50 where bf16 rounds to steps of 0.25."""
-    import transformers
-
     from raypp import LLM, SamplingParams
 
     model_dir = str(request.getfixturevalue(family))
@@ -352,26 +289,5 @@ def test_family_bf16_matches_transformers(request, ray_cluster, family, max_num_
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                    params, use_tqdm=False)]
 
-    def hf_logprobs(torch_dtype: torch.dtype) -> list[torch.Tensor]:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                                  dtype=torch_dtype).to(DEVICE)
-        refs = []
-        for prompt, out in zip(PROMPTS, outs, strict=True):
-            ids = torch.tensor([prompt + out.token_ids[:-1]], device=DEVICE)
-            with torch.inference_mode():
-                refs.append(model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1))
-        return refs
-
-    half, full = hf_logprobs(torch.bfloat16), hf_logprobs(torch.float32)
-    ours, theirs, norm = 0.0, 0.0, 0.0
-    for out, ref_half, ref in zip(outs, half, full, strict=True):
-        for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            assert ref_half[i, tok] >= ref_half[i].max() - tie, (i, tok, ref_half[i].argmax())
-            for tid, lp in top.items():
-                ours += (lp.logprob - ref[i, tid].item()) ** 2
-                theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
-                norm += ref[i, tid].item() ** 2
-    ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
-    print(f"{family} bf16 logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
-          f"transformers bf16 {theirs:.2e}")
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_logprobs_within_transformers_error(model_dir, PROMPTS, outs, torch.bfloat16, tie,
+                                              f"{family} bf16")

@@ -12,40 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_reference import pdl_modes, ref_decode, rel
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
-
-
-def _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale):
-    """float64 attention of one query per sequence over its cached context."""
-    seqs, heads, dim = q.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    out = torch.zeros(seqs, heads, dim, dtype=torch.float64, device=q.device)
-    for s in range(seqs):
-        n = int(seq_lens[s])
-        if n == 0:
-            continue
-        blocks = tables[s, : -(-n // block_size)]
-        keys = key_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
-        values = value_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
-        group = heads // kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        p = (torch.einsum("hd,lhd->hl", q[s].double(), keys) * scale).softmax(-1)
-        out[s] = torch.einsum("hl,lhd->hd", p, values)
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _pdl_modes() -> tuple[bool, ...]:
-    from raypp.kernels.tuning import pdl_supported
-
-    return (False, True) if pdl_supported(torch.device("cuda")) else (False,)
 
 
 TOLERANCES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]
@@ -65,10 +37,10 @@ def test_gemv_matches_linear(dtype, tol, n, k, gated):
     want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     if gated:
         want = F.silu(want[:, :n]) * want[:, n:]
-    for pdl in _pdl_modes():
+    for pdl in pdl_modes():
         got = gemv(x, w, bias, gated, pdl)
         assert got.shape == (1, n) and got.dtype == dtype
-        assert _rel(got, want) < tol, pdl
+        assert rel(got, want) < tol, pdl
 
 
 @pytest.mark.parametrize("dtype,tol", TOLERANCES)
@@ -92,10 +64,10 @@ def test_gemm_matches_linear(dtype, tol, m, n, k, gated, config):
     want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     if gated:
         want = F.silu(want[:, :n]) * want[:, n:]
-    for pdl in _pdl_modes():
+    for pdl in pdl_modes():
         got = gemm(x, w, bias, gated, pdl, config)
         assert got.shape == (m, n) and got.dtype == dtype
-        assert _rel(got, want) < tol, pdl
+        assert rel(got, want) < tol, pdl
         assert torch.equal(gemm(x, w, bias, gated, pdl, config), got)
     assert not split_counters(x.device, 1).any()
 
@@ -114,7 +86,7 @@ def test_rms_norm_matches_module(dtype, size):
                                                                        "atol": 1e-3}
     want, want_res = norm(x, res)
     want_plain = norm(x)
-    for pdl in _pdl_modes():
+    for pdl in pdl_modes():
         got, got_res = rms_norm(x, res, norm.weight, norm.eps, pdl)
         assert torch.equal(got_res, want_res)
         torch.testing.assert_close(got, want, **tol)
@@ -156,18 +128,18 @@ def test_rope_decode_attention_matches_unfused(dtype, tol, heads, kv_heads, dim,
     ta.store_kv(k, v.reshape(rows, kv_heads, dim), want_cache[0], want_cache[1], slot_mapping)
     want = ta.paged_decode(q, want_cache[0], want_cache[1], tables, seq_lens, dim**-0.5)
     want = want.reshape(rows, heads * dim)
-    for pdl in _pdl_modes():
+    for pdl in pdl_modes():
         got_cache = cache.clone()
         got = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, got_cache,
                                     slot_mapping, tables, seq_lens, heads, dim**-0.5, pdl,
                                     splits=splits)
         assert got.shape == (rows, heads * dim) and got.dtype == dtype
-        assert _rel(got, want) < tol, pdl
+        assert rel(got, want) < tol, pdl
         if 0 in context:
             assert not got[context.index(0)].any()
         written = slot_mapping[slot_mapping >= 0]
         flat = (-1, kv_heads, dim)
-        assert _rel(got_cache.view(2, *flat)[:, written], want_cache.view(2, *flat)[:, written]) < tol
+        assert rel(got_cache.view(2, *flat)[:, written], want_cache.view(2, *flat)[:, written]) < tol
         untouched = torch.ones(blocks * block_size, dtype=torch.bool, device="cuda")
         untouched[written] = False
         assert torch.equal(got_cache.view(2, *flat)[:, untouched], cache.view(2, *flat)[:, untouched])
@@ -195,21 +167,21 @@ def test_paged_decode_matches_reference(dtype, tol, heads, kv_heads, dim):
                           for _ in range(len(seq_lens))])
     q = torch.randn(len(seq_lens), heads, dim, device=dev, generator=gen).to(dtype)
     scale = dim**-0.5
-    ref = _ref_decode(q, key_cache, value_cache, tables, seq_lens, scale)
+    ref = ref_decode(q, key_cache, value_cache, tables, seq_lens, scale)
     for splits in (None, 1, 2, 7, 32):
         out = ta.paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, splits=splits)
         assert torch.isfinite(out).all()
         assert out[1].abs().max() == 0  # empty context: zeros
-        assert _rel(out, ref) < tol, (splits, _rel(out, ref))
+        assert rel(out, ref) < tol, (splits, rel(out, ref))
     # int32 block tables read the same
     out32 = ta.paged_decode(q, key_cache, value_cache, tables.int(), seq_lens, scale)
-    assert _rel(out32, ref) < tol
+    assert rel(out32, ref) < tol
     # every launch shape the benchmark's sweep tries computes the same attention
     for launch in (DecodeLaunch(32, 4, 1), DecodeLaunch(128, 8, 4), DecodeLaunch(64, 4, 3)):
         for splits in (1, 5):
             out = ta.paged_decode(q, key_cache, value_cache, tables, seq_lens, scale,
                                   splits=splits, launch=launch)
-            assert _rel(out, ref) < tol, (launch, splits, _rel(out, ref))
+            assert rel(out, ref) < tol, (launch, splits, rel(out, ref))
 
 
 def test_store_kv_skips_negative_slots():
@@ -261,7 +233,7 @@ def test_mixed_batch_matches_cpu_path():
     cpu_cache, gpu_cache = cache.clone(), cache.cuda()
     ref = attn._torch_attention(q, k, v, cpu_cache, meta("cpu"))
     out = ta.paged_attention(q.cuda(), k.cuda(), v.cuda(), gpu_cache, meta("cuda"), attn.scale)
-    assert _rel(out.cpu(), ref) < 1e-5
+    assert rel(out.cpu(), ref) < 1e-5
     assert torch.allclose(gpu_cache.cpu(), cpu_cache)
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_reference import DEVICE, assert_logprobs_within_transformers_error, hf_greedy_cuda
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-DEVICE = "cuda"
 FAMILIES = ["tiny_qwen3_moe", "tiny_qwen3_moe_dense_first", "tiny_mixtral"]
 PROMPTS = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
 
@@ -51,19 +51,6 @@ def test_grouped_block_in_a_cuda_graph_matches_eager():
             torch.testing.assert_close(out, block(x), rtol=2e-2, atol=2e-2)
 
 
-def _hf_greedy(model_dir: str, prompts, max_tokens: int, dtype: torch.dtype):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device=DEVICE)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 def _replays(ray_cluster, llm) -> int:
     worker = llm.engine.executor.workers[0][0]
     return ray_cluster.get(worker.__ray_call__.remote(
@@ -85,8 +72,8 @@ def test_moe_fp32_on_cuda_matches_transformers(request, ray_cluster, family, pp)
              pipeline_parallel_size=pp, max_num_seqs=4) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         replays = _replays(ray_cluster, llm)
-    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(model_dir, PROMPTS, 24,
-                                                                torch.float32)
+    want = hf_greedy_cuda(model_dir, PROMPTS, 24, torch.float32)
+    assert [o.outputs[0].token_ids for o in outs] == want
     assert replays == -1
 
 
@@ -96,8 +83,6 @@ def test_moe_bf16_matches_transformers(request, ray_cluster, family):
     raypp's tokens: top-5 logprobs' relative error to transformers fp32 at most 1.5x
     transformers bf16's own, plus 1e-3; every greedy token transformers' bf16 choice or
     within 0.15 nats of it."""
-    import transformers
-
     from raypp import LLM, SamplingParams
     from raypp.model.moe import grouped_mm_supported
 
@@ -111,25 +96,5 @@ def test_moe_bf16_matches_transformers(request, ray_cluster, family):
     grouped = grouped_mm_supported(torch.device(DEVICE), torch.bfloat16, (64, 32))
     assert (replays > 0) if grouped else replays == -1
 
-    def hf_logprobs(dtype: torch.dtype) -> list[torch.Tensor]:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE)
-        refs = []
-        for prompt, out in zip(PROMPTS, outs, strict=True):
-            ids = torch.tensor([prompt + out.token_ids[:-1]], device=DEVICE)
-            with torch.inference_mode():
-                refs.append(model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1))
-        return refs
-
-    half, full = hf_logprobs(torch.bfloat16), hf_logprobs(torch.float32)
-    ours, theirs, norm = 0.0, 0.0, 0.0
-    for out, ref_half, ref in zip(outs, half, full, strict=True):
-        for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            assert ref_half[i, tok] >= ref_half[i].max() - 0.15, (i, tok, ref_half[i].argmax())
-            for tid, lp in top.items():
-                ours += (lp.logprob - ref[i, tid].item()) ** 2
-                theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
-                norm += ref[i, tid].item() ** 2
-    ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
-    print(f"{family} bf16 logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
-          f"transformers bf16 {theirs:.2e}")
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_logprobs_within_transformers_error(model_dir, PROMPTS, outs, torch.bfloat16, 0.15,
+                                              f"{family} bf16")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from cuda_reference import assert_logprobs_within_transformers_error, hf_greedy_cuda
 
 pytestmark = [
     pytest.mark.cuda,
@@ -59,17 +60,7 @@ def _stage_replays(llm) -> list[int]:
 @pytest.fixture(scope="module")
 def references(ray_cluster, tiny_llama):
     """Transformers' fp32 greedy tokens, and raypp's seeded samples at pp=1 on the GPU."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_llama), dtype=torch.float32).cuda()
-    greedy = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, do_sample=False)
-        greedy.append(out[0, len(p):].tolist())
-    del model
+    greedy = hf_greedy_cuda(tiny_llama, PROMPTS, MAX_NEW, torch.float32)
     with _llm(tiny_llama, 1) as llm:
         seeded = _tokens(llm.generate(PROMPTS, _seeded(), use_tqdm=False))
         pp1_greedy = _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False))
@@ -116,8 +107,6 @@ def test_bf16_pipeline_logprobs_within_transformers_own_error(ray_cluster, tiny_
     """bf16 at pp=2 on one GPU: the logprobs of raypp's own greedy tokens against
     transformers fp32 teacher-forced on them are as close as transformers bf16's own
     (relative error at most 1.5x theirs, plus 1e-3)."""
-    import transformers
-
     from raypp import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
@@ -125,28 +114,8 @@ def test_bf16_pipeline_logprobs_within_transformers_own_error(ray_cluster, tiny_
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert all(r > 0 for r in _stage_replays(llm))
 
-    def hf_logprobs(dtype: torch.dtype) -> list[torch.Tensor]:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama),
-                                                                  dtype=dtype).cuda()
-        refs = []
-        for prompt, out in zip(PROMPTS, outs, strict=True):
-            ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
-            with torch.inference_mode():
-                refs.append(model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1))
-        return refs
-
-    half, full = hf_logprobs(torch.bfloat16), hf_logprobs(torch.float32)
-    ours = theirs = norm = 0.0
-    for out, ref_half, ref in zip(outs, half, full, strict=True):
-        for i, top in enumerate(out.logprobs):
-            for tid, lp in top.items():
-                ours += (lp.logprob - ref[i, tid].item()) ** 2
-                theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
-                norm += ref[i, tid].item() ** 2
-    ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
-    print(f"bf16 pp=2 logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
-          f"transformers bf16 {theirs:.2e}")
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_logprobs_within_transformers_error(tiny_llama, PROMPTS, outs, torch.bfloat16, None,
+                                              "bf16 pp=2")
 
 
 def test_killed_stage_on_gpu_fails_fast_and_is_replaced(ray_cluster, tiny_llama, references):
