@@ -114,14 +114,15 @@ def assert_graph_replays_match_eager(model: Any, graphs: Any, caches: list[torch
     give the eager unfused forward's logits on the same caches (relative error < 1e-4),
     and the padding rows write nothing. ``model`` is a whole model on one stage, ``caches``
     blocks of :data:`BLOCK_SIZE` tokens, eight blocks per row."""
-    from raypp.step import StepInput
+    from raypp.step import ResolvedStep
     from raypp.worker.model_runner import attention_metadata
 
     for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
-        step = StepInput(
+        step = ResolvedStep(
             step_id=0, input_ids=[7 + i for i in range(n)], positions=[c - 1 for c in context],
-            query_start=list(range(n + 1)), seq_lens=context, block_tables=tables,
+            query_start=list(range(n + 1)), seq_lens=context, seq_ids=list(range(n)),
+            block_tables=tables,
             slot_mapping=[t[(c - 1) // BLOCK_SIZE] * BLOCK_SIZE + (c - 1) % BLOCK_SIZE
                           for t, c in zip(tables, context, strict=True)],
             sample_rows=list(range(n)), sampling=None)

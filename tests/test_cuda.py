@@ -90,7 +90,7 @@ def test_non_first_stage_replays_its_graph_on_a_real_handoff(tiny_llama):
     the sampled tokens and logits equal one stage holding every layer. Each stage's
     caches start as the same random context."""
     from raypp.config import ModelConfig
-    from raypp.step import SamplingBatch, StageHandoff, StepInput, StepOutput
+    from raypp.step import ResolvedStep, SamplingBatch, StageHandoff, StepInput, StepOutput
 
     layers = ModelConfig(str(tiny_llama)).num_layers
     whole = _stage_runner(tiny_llama, 0, layers, layers)
@@ -104,10 +104,12 @@ def test_non_first_stage_replays_its_graph_on_a_real_handoff(tiny_llama):
                            [0.0] * n, [0.0] * n, [1.0] * n, [[]] * n, [[]] * n)
     step = StepInput(
         step_id=7, input_ids=[7, 8, 9], positions=[c - 1 for c in context],
-        query_start=list(range(n + 1)), seq_lens=context, block_tables=tables,
+        query_start=list(range(n + 1)), seq_lens=context, seq_ids=list(range(n)),
+        block_table_updates=[(i, 0, t) for i, t in enumerate(tables)],
         slot_mapping=[t[(c - 1) // block_size] * block_size + (c - 1) % block_size
                       for t, c in zip(tables, context, strict=True)],
         sample_rows=list(range(n)), sampling=greedy)
+    resolved = ResolvedStep.of(step, tables)  # what the runners hand their graphs
     with torch.inference_mode():
         handoff = first.execute(step, None)
         assert isinstance(handoff, StageHandoff) and handoff.step is step
@@ -117,10 +119,10 @@ def test_non_first_stage_replays_its_graph_on_a_real_handoff(tiny_llama):
         assert last.graphs.replays == replays + 1  # the non-first stage replayed its graph
         want = whole.execute(step, None)
         assert isinstance(got, StepOutput) and got.token_ids == want.token_ids
-        logits = last.graphs.run(step, handoff).clone()
-        assert rel(logits, whole.graphs.run(step, None)) < 1e-4
+        logits = last.graphs.run(resolved, handoff).clone()
+        assert rel(logits, whole.graphs.run(resolved, None)) < 1e-4
     with pytest.raises(ValueError, match="needs the previous stage's hand-off"):
-        last.graphs.load(step, None)
+        last.graphs.load(resolved, None)
 
 
 @pytest.mark.parametrize("eager,decode_steps,max_num_seqs",

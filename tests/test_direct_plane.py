@@ -207,7 +207,8 @@ def _prefill_step(step_id: int, ids: list[int], first_block: int) -> StepInput:
                            prompt_tokens=[[]], output_tokens=[[]])
     block_size = CacheConfig().block_size
     return StepInput(step_id=step_id, input_ids=ids, positions=list(range(n)),
-                     query_start=[0, n], seq_lens=[n], block_tables=[[first_block]],
+                     query_start=[0, n], seq_lens=[n], seq_ids=[step_id],
+                     block_table_updates=[(step_id, 0, [first_block])],
                      slot_mapping=[first_block * block_size + p for p in range(n)],
                      sample_rows=[n - 1], sampling=greedy)
 

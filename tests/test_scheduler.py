@@ -9,7 +9,8 @@ holds exactly this sequence's prefix at every position the attention would read
 another sequence). It also checks that no write lands in a block that is shared
 or registered in the prefix cache. The sampled token is a pure function of the
 sequence's tokens so far, so preemption, chunking, pipelining and cache hits must
-not change any output.
+not change any output. Its attention reads through the block tables a stage's mirror
+resolves from the lean steps the real step builder makes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from raypp.engine.block_hash import ROOT_HASH, hash_block
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
+from raypp.engine.step_builder import StepBuilder
 from raypp.sampling_params import SamplingParams
+from raypp.worker.block_tables import BlockTableMirror
 
 
 def _next_token(tokens: list[int]) -> int:
@@ -36,14 +39,17 @@ class FakePipeline:
         self.blocks = blocks
         self.cache: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its KV depends on
 
-    def run(self, batch: MicroBatch, ahead: dict[int, list[int]] | None = None
-            ) -> list[list[int]]:
+    def run(self, batch: MicroBatch, tables: list[list[int]],
+            ahead: dict[int, list[int]] | None = None) -> list[list[int]]:
         """Per sampled row, ``batch.num_steps`` tokens (each step feeds the last one back).
 
-        ``ahead``: for a continuation, the tokens per sequence id that the round it
-        continues samples (not yet on the host, as on a real stage)."""
+        ``tables``: each row's block table as a stage resolved it from the lean step (it
+        writes at the engine's slots, and attention reads through these). ``ahead``: for
+        a continuation, the tokens per sequence id that the round it continues samples
+        (not yet on the host, as on a real stage)."""
         sampled = []
-        for item in batch.seqs:
+        size = self.blocks.block_size
+        for item, table in zip(batch.seqs, tables, strict=True):
             seq = item.seq
             extra = ahead[seq.seq_id] if ahead else []
             assert len(extra) == batch.ahead
@@ -57,8 +63,9 @@ class FakePipeline:
                     assert self.blocks.ref_count(block) == 1, "write into a shared block"
                     assert self.blocks.hash_of(block) is None, "write into a cached block"
                     self.cache[self.blocks.slot(seq, pos)] = tuple(tokens[:pos + 1])
-                for pos in range(end):  # what attention reads
-                    assert self.cache.get(self.blocks.slot(seq, pos)) == tuple(tokens[:pos + 1]), (
+                for pos in range(end):  # what attention reads, through the stage's table
+                    slot = table[pos // size] * size + pos % size
+                    assert self.cache.get(slot) == tuple(tokens[:pos + 1]), (
                         "cache holds another prefix")
                 if not item.sample:
                     break
@@ -85,6 +92,15 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
                              max_inflight=inflight, num_decode_steps=decode_steps)
     sched = Scheduler(config, blocks, max_model_len=10_000)
     pipe = FakePipeline(blocks)
+    # lean steps: the builder sends block-table changes, a stage's mirror resolves them
+    builder, mirror = StepBuilder(sched), BlockTableMirror(block_size)
+
+    def submit(batch: MicroBatch, ahead: dict[int, list[int]] | None = None) -> list[list[int]]:
+        step = builder.build(batch)
+        tables = mirror.resolve(step).block_tables
+        assert tables == [s.seq.block_table for s in batch.seqs]
+        return pipe.run(batch, tables, ahead)
+
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(max_tokens=m), seed=0)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     pending = deque(zip(arrivals, seqs))
@@ -108,7 +124,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             in_flight = [s.seq.seq_id for b, _ in queue for s in b.seqs]
             assert not set(in_flight) & {s.seq.seq_id for s in batch.seqs}, "seq in two batches"
             assert batch.num_steps == 1 or all(s.num_tokens == 1 for s in batch.seqs)
-            queue.append((batch, pipe.run(batch)))
+            queue.append((batch, submit(batch)))
         _check_blocks(sched, blocks, pipe)
         step += 1
         if not queue:
@@ -119,7 +135,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             nxt = sched.continue_batch(batch)
             if nxt is not None:
                 by_seq = {s.seq.seq_id: row for s, row in zip(batch.seqs, tokens)}
-                queue.append((nxt, pipe.run(nxt, by_seq)))
+                queue.append((nxt, submit(nxt, by_seq)))
                 continuations += 1
         sched.complete(batch)
         for seq, row in zip([s.seq for s in batch.seqs if s.sample], tokens):

@@ -17,7 +17,7 @@ from raypp.model.base import StageSpec
 from raypp.model.layers import TPContext
 from raypp.model.llama import LlamaStageModel
 from raypp.model.loader import load_stage_weights
-from raypp.step import SamplingBatch, StageHandoff, StepInput
+from raypp.step import ResolvedStep, SamplingBatch, StageHandoff, StepInput
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.model_runner import ModelRunner
 
@@ -47,8 +47,11 @@ def _prefill(prompts: list[list[int]]) -> StepInput:
         starts += [t * BLOCK + j for t in table for j in range(BLOCK)][: len(p)]
         slots.append(len(ids))
         tables.append(table)
-    return StepInput(0, ids, positions, slots, [len(p) for p in prompts], tables, starts,
-                     [s - 1 for s in slots[1:]], _greedy(len(prompts)))
+    # sequences 0, 1, ...: new to every stage, so each step carries their whole tables
+    seq_ids = list(range(len(prompts)))
+    return StepInput(0, ids, positions, slots, [len(p) for p in prompts], seq_ids, starts,
+                     [s - 1 for s in slots[1:]], _greedy(len(prompts)),
+                     block_table_updates=[(i, 0, t) for i, t in zip(seq_ids, tables)])
 
 
 def _pipes_round_trip(handoff: StageHandoff) -> StageHandoff:
@@ -97,8 +100,9 @@ def test_one_handoff_through_every_consumer(tiny_llama):
         assert last.execute(step, moved).token_ids == want
     # 3. the decode-graph loader of a non-first stage copies both parts into its buffers
     mc = ModelConfig(str(tiny_llama))
-    decode = StepInput(1, [7, 8], [6, 3], [0, 1, 2], [7, 4], step.block_tables,
-                       [6, 4 * BLOCK + 3], [0, 1], _greedy(2))
+    decode = ResolvedStep(1, [7, 8], [6, 3], [0, 1, 2], [7, 4], [0, 1], [6, 4 * BLOCK + 3],
+                          [0, 1], _greedy(2),
+                          block_tables=[t for _, _, t in step.block_table_updates])
     hidden, residual = torch.randn(2, mc.hidden_size), torch.randn(2, mc.hidden_size)
     graphs = DecodeGraphs(last.model, last.kv_caches, is_first=False, is_last=True,
                           max_num_seqs=4, max_blocks_per_seq=4, hidden_size=mc.hidden_size,

@@ -79,7 +79,7 @@ class StageHarness:
 
     @staticmethod
     def _step(ids, pos, qs, seq_lens, tables, slots, rows, index, num_steps=1) -> Any:
-        from raypp.step import SamplingBatch, StepInput
+        from raypp.step import ResolvedStep, SamplingBatch
 
         n = len(rows)
         sampling = SamplingBatch(
@@ -87,9 +87,14 @@ class StageHarness:
             seeds=[0] * n, output_index=[index] * n, num_logprobs=[-1] * n,
             presence_penalty=[0.0] * n, frequency_penalty=[0.0] * n,
             repetition_penalty=[1.0] * n, prompt_tokens=[[]] * n, output_tokens=[[]] * n)
-        return StepInput(step_id=index, input_ids=ids, positions=pos, query_start=qs,
-                         seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
-                         sample_rows=rows, sampling=sampling, num_steps=num_steps)
+        # rows are sequences 0..n-1 whose whole tables every step sends (start 0 replaces),
+        # already resolved: the worker takes it as a step, the graphs as a resolved one
+        seq_ids = list(range(len(tables)))
+        return ResolvedStep(step_id=index, input_ids=ids, positions=pos, query_start=qs,
+                            seq_lens=seq_lens, seq_ids=seq_ids, slot_mapping=slots,
+                            sample_rows=rows, sampling=sampling, num_steps=num_steps,
+                            block_table_updates=[(i, 0, t) for i, t in zip(seq_ids, tables)],
+                            block_tables=tables)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

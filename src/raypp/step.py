@@ -9,6 +9,21 @@ A pure decode micro-batch may ask for several decode steps at once (``num_steps`
 and a decode round may continue the previous round of the same sequences
 (``continues``): its input ids are then that round's last sampled tokens, which
 the stage still holds on the device, so the engine can submit it before they return.
+
+Block tables travel as changes, not whole per step. Every stage (every TP rank of
+it) keeps a mirror of each running sequence's block table, keyed by the engine's
+sequence id (unique for the engine's life), and sees every step in submission
+order. A step names its rows' sequences (``seq_ids``) and carries only what changed
+since the steps before it: ``finished_seq_ids`` (tables to drop: the sequence's
+blocks were freed) and then ``block_table_updates``, ``(seq_id, start, entries)``
+each, after which that sequence's table is ``table[:start] + entries`` (``start`` 0:
+a new table; else ``start`` is the table's length, and it grows). Drops apply before
+updates, so a step may drop a sequence's old table and start its new one. A decode
+step whose tables did not grow carries no entries at all. A stage resolves the step
+against its mirror into a :class:`ResolvedStep` (with each row's whole table) that
+only it sees; what it passes on is the step as it came
+(:mod:`raypp.worker.block_tables`; the engine side is
+:class:`~raypp.engine.step_builder.StepBuilder`).
 """
 
 from __future__ import annotations
@@ -55,10 +70,13 @@ class StepInput:
     positions: list[int]
     query_start: list[int]  # [num_seqs + 1]
     seq_lens: list[int]  # tokens in context after this step, per sequence
-    block_tables: list[list[int]]
+    seq_ids: list[int]  # the engine's sequence id of each row: keys the stages' block tables
     slot_mapping: list[int]
     sample_rows: list[int]  # flat token indices whose next token is sampled
     sampling: SamplingBatch | None
+    # what changed in the stages' block tables (module docstring): drops, then updates
+    block_table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
     # decode steps to run back to back (> 1 only for pure decode on a one-stage pipeline):
     # the stage feeds each sampled token back as the next input on the device
     num_steps: int = 1
@@ -76,6 +94,19 @@ class StepInput:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+@dataclass(kw_only=True)
+class ResolvedStep(StepInput):
+    """A :class:`StepInput` as one stage runs it: with each row's whole block table,
+    resolved from the stage's mirror (:mod:`raypp.worker.block_tables`). Never sent:
+    a stage passes the step it received on, not this."""
+
+    block_tables: list[list[int]]  # per row; read them, never change them
+
+    @classmethod
+    def of(cls, step: StepInput, block_tables: list[list[int]]) -> ResolvedStep:
+        return cls(**{**vars(step), "block_tables": block_tables})
 
 
 @dataclass

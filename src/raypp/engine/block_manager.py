@@ -22,6 +22,9 @@ What callers may rely on:
 - :meth:`find_cached` never covers a whole sequence: at least its last token is
   left to compute (its logits are needed), and hits are whole blocks.
 - ``num_free`` counts every block :meth:`allocate` may take, cached ones included.
+- A sequence's ``block_table`` only grows, by appending, until :meth:`free` empties it
+  and bumps its ``block_epoch``; :meth:`drain_freed` lists the sequences freed so (the
+  step builder tells the stages to drop their copies of those tables).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # content hash -> the block registered under it
+        self._freed: list[int] = []  # ids of sequences whose non-empty tables were freed
 
     @property
     def num_free(self) -> int:
@@ -109,8 +113,12 @@ class BlockManager:
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references. Its computed full blocks stay cached (see
-        :meth:`register`) until evicted; its other blocks are reused first."""
+        """Drop ``seq``'s references and end its table's epoch. Its computed full blocks
+        stay cached (see :meth:`register`) until evicted; its other blocks are reused
+        first."""
+        seq.block_epoch += 1
+        if seq.block_table:
+            self._freed.append(seq.seq_id)
         self.register(seq)
         for block in reversed(seq.block_table):  # a sequence's tail is evicted before its head
             self._ref_counts[block] -= 1
@@ -122,6 +130,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    def drain_freed(self) -> list[int]:
+        """Ids of the sequences whose (non-empty) tables :meth:`free` emptied since the
+        last call, oldest first; a sequence freed twice is listed twice."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat cache slot of token ``position`` of ``seq``."""

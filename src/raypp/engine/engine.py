@@ -219,6 +219,7 @@ class LLMEngine:
         try:
             result: StepOutput = self.executor.result(item.handle)
         except StageError as e:
+            self.step_builder.forget(item.step)  # stages after the failing one missed it
             return self._fail_batch(item.batch, f"{e}", ErrorKind.STAGE_ERROR)
         except (StageDiedError, StepTimeoutError) as e:
             self._inflight.appendleft(item)
@@ -248,7 +249,7 @@ class LLMEngine:
             if batch is None:
                 return
             step = self.step_builder.build(batch)
-            self._inflight.append(_InFlight(batch, step, self.executor.submit(step)))
+            self._inflight.append(_InFlight(batch, step, self._submit(step)))
 
     def _submit_next_round(self, item: _InFlight) -> None:
         """Asynchronous scheduling: submit the next decode round of ``item`` (just taken
@@ -268,8 +269,15 @@ class LLMEngine:
         nxt.continues = step.step_id
         nxt.continue_rows = [rows[id(s.seq)] for s in batch.seqs]
         # if submitting fails, the caller's failure path requeues every running sequence
-        self._inflight.append(_InFlight(batch, nxt, self.executor.submit(nxt)))
+        self._inflight.append(_InFlight(batch, nxt, self._submit(nxt)))
         self.stats.rounds_ahead += 1
+
+    def _submit(self, step: StepInput) -> Any:
+        try:
+            return self.executor.submit(step)
+        except BaseException:
+            self.step_builder.forget(step)  # it may have reached no stage
+            raise
 
     # -- failures --------------------------------------------------------------------------
     def _fail_batch(self, batch: MicroBatch, message: str, kind: ErrorKind
@@ -335,6 +343,7 @@ class LLMEngine:
         # the new workers' caches are empty: forget every cached prefix (no block is in
         # use: failed requests were finished and the running ones requeued)
         self.block_manager = self.scheduler.blocks = self._new_block_manager()
+        self.step_builder.reset()  # nor any block table
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
         return True

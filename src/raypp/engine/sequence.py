@@ -27,7 +27,10 @@ class Sequence:
     so far (:mod:`raypp.engine.block_hash`); the first ``num_registered_blocks`` of
     ``block_table`` were offered to the cache (computed, full);
     ``num_cached_tokens`` is how many prompt tokens the cache supplied when the
-    sequence was first scheduled (``None`` before).
+    sequence was first scheduled (``None`` before). ``block_table`` only grows, by
+    appending, until the blocks are freed; ``block_epoch`` counts those frees, so a
+    table of another epoch is another table (what the stages hold is tracked by
+    :class:`~raypp.engine.step_builder.StepBuilder`).
     """
 
     seq_id: int
@@ -39,6 +42,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_epoch: int = 0  # bumped each time the blocks are freed (BlockManager.free)
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0

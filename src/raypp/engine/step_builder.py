@@ -1,8 +1,16 @@
 """Turns a scheduled micro-batch into the step descriptor the stages run.
 
 The descriptor (:class:`~raypp.step.StepInput`) is flat plain lists: token ids and
-positions, each token's cache slot, each sequence's block table and context length,
-and the sampling settings of the rows that end a sequence's query.
+positions, each token's cache slot, each sequence's id and context length, what
+changed in the stages' block tables since the steps before, and the sampling
+settings of the rows that end a sequence's query.
+
+The builder remembers, per sequence, which table the stages hold: its epoch (see
+:class:`~raypp.engine.sequence.Sequence`) and length as last sent. Steps are built
+in the order they are submitted, and every stage runs them in that order, so a
+step may rely on every step built before it, with two exceptions the engine
+reports: a step that failed may have reached only some stages (:meth:`forget`), and
+new workers hold nothing (:meth:`reset`).
 """
 
 from __future__ import annotations
@@ -16,17 +24,23 @@ from raypp.step import SamplingBatch, StepInput
 
 class StepBuilder:
     """Builds :class:`StepInput` s with increasing step ids (ids never repeat, across
-    executor restarts too)."""
+    executor restarts too), carrying block tables as changes."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler  # its block manager maps positions to cache slots
         self._step_ids = itertools.count()
         self.trace = False  # stages record compute intervals of the steps built while set
+        # seq id -> (block epoch, table length) of the table the stages hold
+        self._held: dict[int, tuple[int, int]] = {}
+        self._drops: dict[int, None] = {}  # seq ids whose tables the next step drops
 
     def build(self, batch: MicroBatch) -> StepInput:
-        ids, positions, slots, query_start, seq_lens, tables, rows = [], [], [], [0], [], [], []
+        ids, positions, slots, query_start, seq_lens, seq_ids, rows = [], [], [], [0], [], [], []
         sampled: list[Sequence] = []
         blocks = self.scheduler.blocks
+        drops = self._drain_drops()
+        updates = []
+        held = self._held
         for item in batch.seqs:
             seq, start = item.seq, item.seq.num_computed_tokens + batch.ahead
             end = start + item.num_tokens
@@ -38,7 +52,15 @@ class StepBuilder:
             slots.extend(blocks.slot(seq, p) for p in range(start, end))
             query_start.append(len(ids))
             seq_lens.append(end)
-            tables.append(list(seq.block_table))
+            seq_id, table = seq.seq_id, seq.block_table
+            seq_ids.append(seq_id)
+            known = held.get(seq_id)
+            if known is None or known[0] != seq.block_epoch or len(table) < known[1]:
+                updates.append((seq_id, 0, list(table)))  # new to the stages, or a new table
+                held[seq_id] = (seq.block_epoch, len(table))
+            elif len(table) > known[1]:
+                updates.append((seq_id, known[1], table[known[1]:]))
+                held[seq_id] = (seq.block_epoch, len(table))
             if item.sample:
                 rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -48,13 +70,47 @@ class StepBuilder:
             positions=positions,
             query_start=query_start,
             seq_lens=seq_lens,
-            block_tables=tables,
+            seq_ids=seq_ids,
             slot_mapping=slots,
             sample_rows=rows,
             sampling=sampling_batch(sampled, batch.ahead) if sampled else None,
+            block_table_updates=updates,
+            finished_seq_ids=drops,
             num_steps=batch.num_steps,
             trace=self.trace,
         )
+
+    def _drain_drops(self) -> list[int]:
+        """Tables the stages may drop: those of sequences freed since the last step that
+        the stages hold, and any :meth:`forget` queued."""
+        drops, held = self._drops, self._held
+        for seq_id in self.scheduler.blocks.drain_freed():
+            if held.pop(seq_id, None) is not None:
+                drops[seq_id] = None
+        self._drops = {}
+        return list(drops)
+
+    def forget(self, step: StepInput) -> None:
+        """``step`` (built here) may have reached only some stages, or none: resend its
+        rows' tables whole when next used, and have the stages drop them (and the
+        tables it dropped) in the next step, whatever each of them holds now."""
+        for seq_id in step.seq_ids:
+            self._held.pop(seq_id, None)
+            self._drops[seq_id] = None
+        for seq_id in step.finished_seq_ids:
+            if seq_id not in self._held:  # else a later step already sent a new table
+                self._drops[seq_id] = None
+
+    def reset(self) -> None:
+        """The stages hold no tables (new workers): the next steps send them whole."""
+        self._held.clear()
+        self._drops.clear()
+        self.scheduler.blocks.drain_freed()
+
+    @property
+    def num_held(self) -> int:
+        """Sequences whose tables the stages hold, as far as this builder knows."""
+        return len(self._held)
 
 
 def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from raypp.model.attention import AttentionMetadata
-from raypp.step import StageHandoff, StepInput
+from raypp.step import ResolvedStep, StageHandoff
 from raypp.worker.decode_loop import DecodeInputs
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class DecodeGraphs:
         return self
 
     # -- replay ----------------------------------------------------------------------------
-    def can_run(self, step: StepInput) -> bool:
+    def can_run(self, step: ResolvedStep) -> bool:
         """True for a pure decode step that fits the captured sizes and table width."""
         n = step.num_seqs
         return (0 < n <= self.max_size and step.num_tokens == n
@@ -210,7 +210,7 @@ class DecodeGraphs:
     def graph_size(self, n: int) -> int:
         return next(g for g in self.sizes if g >= n)
 
-    def run(self, step: StepInput, handoff: StageHandoff | None) -> Any:
+    def run(self, step: ResolvedStep, handoff: StageHandoff | None) -> Any:
         """The stage's forward for ``step`` (``can_run`` must hold); ``handoff``: the
         previous stage's activations (``None`` on the first stage).
 
@@ -221,7 +221,7 @@ class DecodeGraphs:
         out = self.replay()
         return out if self.is_last else (out[0].clone(), out[1].clone())
 
-    def load(self, step: StepInput, handoff: StageHandoff | None = None) -> DecodeInputs:
+    def load(self, step: ResolvedStep, handoff: StageHandoff | None = None) -> DecodeInputs:
         """Stage ``step``'s inputs; returns views of the buffers the graph reads."""
         n = step.num_seqs
         g = self.graph_size(n)
@@ -245,7 +245,7 @@ class DecodeGraphs:
         out = self._outputs[g]
         return out[:n] if self.is_last else (out[0][:n], out[1][:n])
 
-    def _stage_inputs(self, step: StepInput, g: int) -> None:
+    def _stage_inputs(self, step: ResolvedStep, g: int) -> None:
         # host: [ids | positions | slots | lens] (max_rows each) + tables [max_rows, width]
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffer

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from raypp.model.attention import AttentionMetadata
-from raypp.step import RowLogprobs, StepInput
+from raypp.step import ResolvedStep, RowLogprobs
 from raypp.worker.sampler import (
     SamplingTensors,
     logprob_stats,
@@ -39,7 +39,7 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [rows, width] int64, covering every step's slot
 
     @classmethod
-    def from_step(cls, step: StepInput, device: torch.device) -> DecodeInputs:
+    def from_step(cls, step: ResolvedStep, device: torch.device) -> DecodeInputs:
         width = max(len(t) for t in step.block_tables)
         tables = [t + [0] * (width - len(t)) for t in step.block_tables]
         ints = torch.tensor([step.input_ids, step.positions, step.slot_mapping, step.seq_lens],

@@ -2,8 +2,10 @@
 logits → sample, and multi-step decode rounds.
 
 :meth:`ModelRunner.execute` is the whole of a step on a stage; it does not know which
-control plane drives it. A stage that is not last returns a
-:class:`~raypp.step.StageHandoff`; the last stage returns a
+control plane drives it. It first resolves the step's block-table changes against
+this stage's mirror (:mod:`raypp.worker.block_tables`); everything after runs on the
+resolved step. A stage that is not last returns a :class:`~raypp.step.StageHandoff`
+of the step as it came (lean); the last stage returns a
 :class:`~raypp.step.StepOutput` of plain lists.
 """
 
@@ -15,7 +17,8 @@ import torch
 
 from raypp.model.attention import AttentionMetadata
 from raypp.model.base import StageModel
-from raypp.step import StageHandoff, StepInput, StepOutput
+from raypp.step import ResolvedStep, StageHandoff, StepInput, StepOutput
+from raypp.worker.block_tables import BlockTableMirror
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
 from raypp.worker.sampler import SamplingTensors, sample
@@ -26,7 +29,8 @@ class ModelRunner:
 
     ``graphs`` (CUDA) replays captured decode graphs where a step fits them; every
     other step runs the eager forward. Holds the last decode round's sampled tokens
-    on the device, for a round that ``continues`` it (asynchronous scheduling).
+    on the device, for a round that ``continues`` it (asynchronous scheduling), and
+    this stage's copy of every running sequence's block table (``block_tables``).
     """
 
     def __init__(self, model: StageModel, kv_caches: list[torch.Tensor],
@@ -36,6 +40,7 @@ class ModelRunner:
         self.graphs = graphs
         self.device = device
         self.block_size = block_size
+        self.block_tables = BlockTableMirror(block_size)
         # (step id, its last sampled ids on the device) of the latest decode round
         self._last_round: tuple[int, torch.Tensor] | None = None
 
@@ -43,22 +48,23 @@ class ModelRunner:
                 ) -> StageHandoff | StepOutput:
         """Run ``step`` (``handoff``: the previous stage's, ``None`` on the first stage)."""
         previous, self._last_round = self._last_round, None  # only the next step may continue it
+        resolved = self.block_tables.resolve(step)  # first: every step updates the mirror
         if not self.model.stage.is_last:
-            hidden, residual = self._forward(step, handoff)
-            return StageHandoff.pack(step, hidden, residual)
+            hidden, residual = self._forward(resolved, handoff)
+            return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
         if step.num_steps > 1 or step.continues is not None:
-            return self._decode_steps(step, previous)
-        return self._sample(step, self._logits(step, handoff))
+            return self._decode_steps(resolved, previous)
+        return self._sample(resolved, self._logits(resolved, handoff))
 
     # -- one step -------------------------------------------------------------------------
-    def _forward(self, step: StepInput, handoff: StageHandoff | None):
+    def _forward(self, step: ResolvedStep, handoff: StageHandoff | None):
         """``(hidden, residual)`` of every token of ``step`` on a stage that is not last."""
         graphs = self.graphs
         if graphs is not None and graphs.can_run(step):  # CUDA decode: replay a captured graph
             return graphs.run(step, handoff)
         return self._eager_forward(step, handoff)
 
-    def _eager_forward(self, step: StepInput, handoff: StageHandoff | None):
+    def _eager_forward(self, step: ResolvedStep, handoff: StageHandoff | None):
         dev = self.device
         positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
         meta = attention_metadata(step, dev)
@@ -71,7 +77,7 @@ class ModelRunner:
         return self.model(positions, meta, self.kv_caches, hidden_states=handoff.hidden_states,
                           residual=handoff.residual)
 
-    def _logits(self, step: StepInput, handoff: StageHandoff | None) -> torch.Tensor | None:
+    def _logits(self, step: ResolvedStep, handoff: StageHandoff | None) -> torch.Tensor | None:
         """Run the last stage on ``step``: logits of its sampled rows (``None`` if none)."""
         rows = step.sample_rows
         picked = torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
@@ -85,7 +91,7 @@ class ModelRunner:
         return None if picked is None else self.model.compute_logits(hidden.index_select(0, picked))
 
     @staticmethod
-    def _sample(step: StepInput, logits: torch.Tensor | None) -> StepOutput:
+    def _sample(step: ResolvedStep, logits: torch.Tensor | None) -> StepOutput:
         if logits is None:
             return StepOutput(step.step_id, [], [])
         tokens, logprobs = sample(logits, step.sampling)
@@ -93,7 +99,7 @@ class ModelRunner:
                           [None if lp is None else [lp] for lp in logprobs])
 
     # -- multi-step decode rounds ---------------------------------------------------------
-    def _decode_steps(self, step: StepInput, previous: tuple[int, torch.Tensor] | None
+    def _decode_steps(self, step: ResolvedStep, previous: tuple[int, torch.Tensor] | None
                       ) -> StepOutput:
         """``step.num_steps`` decode steps of a one-stage pipeline, in one call.
 
@@ -138,7 +144,7 @@ def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[in
         torch.index_select(last, 0, index, out=input_ids)
 
 
-def attention_metadata(step: StepInput, device: torch.device) -> AttentionMetadata:
+def attention_metadata(step: ResolvedStep, device: torch.device) -> AttentionMetadata:
     """The attention metadata of an eager forward over ``step``."""
     width = max(len(t) for t in step.block_tables)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables],
