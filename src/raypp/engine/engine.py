@@ -343,7 +343,7 @@ class LLMEngine:
         # the new workers' caches are empty: forget every cached prefix (no block is in
         # use: failed requests were finished and the running ones requeued)
         self.block_manager = self.scheduler.blocks = self._new_block_manager()
-        self.step_builder.reset()  # nor any block table
+        self.step_builder.reset()  # nor do they hold any block table
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
         return True
