@@ -3,6 +3,8 @@ pipelined micro-batches, sampling, abort."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hf_reference import corpus_prompts, hf_greedy, hf_logits
@@ -42,6 +44,14 @@ def prompts(pp2):
 @pytest.fixture(scope="module")
 def reference(tiny_llama, prompts):
     return hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+
+
+def test_stages_run_at_the_drivers_priority(pp2):
+    """Ray starts workers at nice 15; a stage must not lose its core to the driver."""
+    import ray
+
+    pids = ray.get([lane[0].ping.remote() for lane in pp2.engine.executor.workers], timeout=60)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [os.nice(0)] * 2
 
 
 def test_many_requests_together_match_each_alone(pp2, prompts, reference):

@@ -42,6 +42,13 @@ def multi_sync(ray_cluster, tiny_llama):
 
 
 @pytest.fixture(scope="module")
+def single_sync(ray_cluster, tiny_llama):
+    """One step per round trip, each submitted only after the previous one's result is read."""
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, async_scheduling=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def prompts(single):
     return corpus_prompts(single.get_tokenizer(), LENGTHS)
 
@@ -130,10 +137,14 @@ def test_streamed_tokens_arrive_in_groups_of_at_most_k(multi, prompts):
     assert max(growth) == 4
 
 
-def test_async_scheduling_changes_no_output(multi, multi_sync, prompts):
+@pytest.mark.parametrize("steps", [4, 1])
+def test_async_scheduling_changes_no_output(request, steps, prompts):
     """Rounds submitted ahead (fed on the stage from the previous round's last tokens)
-    give what rounds submitted one at a time give: greedy, seeded sampling with
-    logprobs, n > 1, stops by id, string and length mid-round."""
+    give what rounds submitted one at a time give, with one decode step per round as
+    with several: greedy, seeded sampling with logprobs, n > 1, stops by id, string
+    and length mid-round."""
+    multi, multi_sync = (request.getfixturevalue(name) for name in
+                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
     free_run = multi_sync.generate(_inputs(prompts[:4]), GREEDY, use_tqdm=False)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=4 * i + 3,
                              logprobs=2, n=2) for i in range(len(prompts))]
@@ -156,10 +167,13 @@ def test_async_scheduling_changes_no_output(multi, multi_sync, prompts):
         assert blocks.num_free == blocks.num_blocks
 
 
-def test_requests_arriving_or_aborted_during_rounds_ahead(multi, multi_sync, prompts):
+@pytest.mark.parametrize("steps", [4, 1])
+def test_requests_arriving_or_aborted_during_rounds_ahead(request, steps, prompts):
     """A request added while a round runs ahead is served once the running rounds
     end; one aborted with a round in flight frees its blocks and loses nobody else's
     tokens."""
+    multi, multi_sync = (request.getfixturevalue(name) for name in
+                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in multi_sync.generate(_inputs(prompts[:3]), params, use_tqdm=False)]

@@ -239,11 +239,12 @@ class SchedulerConfig:
     arrive in groups. Needs
     ``pipeline_parallel_size == 1``; sequences with penalties decode one step at a time.
 
-    ``async_scheduling`` (one-stage pipelines): while a multi-step decode round runs,
-    the engine already submits the batch's next round, whose input ids the stage
-    takes on the device from the running round's last tokens, so the stage never
-    waits for the engine's bookkeeping between rounds. Outputs are unchanged (tokens
-    past a stop are dropped); new requests then wait up to two rounds.
+    ``async_scheduling`` (one-stage pipelines): while a decode round (one step or
+    ``num_decode_steps``) runs, the engine already submits the batch's next round,
+    whose input ids the stage takes on the device from the running round's last
+    tokens, so the stage never waits for the engine's bookkeeping between rounds.
+    Only while no waiting request could join a batch; outputs are unchanged (tokens
+    past a stop are dropped).
     """
 
     max_num_seqs: int = 64
@@ -367,8 +368,8 @@ class EngineConfig:
     @property
     def rounds_ahead(self) -> int:
         """Decode rounds the engine submits ahead of a running one: 1 with
-        ``async_scheduling`` on a one-stage pipeline (the only kind that runs
-        multi-step rounds), else 0."""
+        ``async_scheduling`` on a one-stage pipeline (whose stage holds the sampled
+        tokens the next round feeds), else 0."""
         sc = self.scheduler
         return int(sc.async_scheduling and self.parallel.pipeline_parallel_size == 1)
 

@@ -253,12 +253,11 @@ class LLMEngine:
     def _submit_next_round(self, item: _InFlight) -> None:
         """Asynchronous scheduling: submit the next decode round of ``item`` (just taken
         from the pipeline, its result not yet read) so the stage starts it as soon as
-        ``item`` ends. Only when ``item`` loops on the device, nothing else is in
-        flight, and no waiting request could join a freshly scheduled batch instead."""
+        ``item`` ends, one step or several. Only when ``item`` loops on the device (the
+        scheduler checks), nothing else is in flight, and no waiting request could join
+        a freshly scheduled batch instead."""
         step = item.step
-        if (not self.config.rounds_ahead or self._inflight
-                or (step.num_steps == 1 and step.continues is None)
-                or self.scheduler.can_admit()):
+        if not self.config.rounds_ahead or self._inflight or self.scheduler.can_admit():
             return
         batch = self.scheduler.continue_batch(item.batch)
         if batch is None:
