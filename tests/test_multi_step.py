@@ -243,3 +243,47 @@ def test_async_scheduling_option():
     assert SchedulerConfig().async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         SchedulerConfig(async_scheduling="no")
+
+
+def test_limits_left_unset_are_sized_for_the_device():
+    from raypp.config import AUTO_DECODE_STEPS, SchedulerConfig
+
+    cuda = SchedulerConfig().size_for("cuda")
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens, cuda.max_inflight) == (256, 8192, 1)
+    assert cuda.adaptive_rounds and cuda.num_decode_steps == AUTO_DECODE_STEPS
+    cpu = SchedulerConfig().size_for("cpu")
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.num_decode_steps) == (64, 2048, 1)
+    assert not cpu.adaptive_rounds
+    pp2 = SchedulerConfig().size_for("cuda", pipeline_parallel_size=2)
+    assert (pp2.num_decode_steps, pp2.adaptive_rounds, pp2.max_inflight) == (1, False, 3)
+    mine = SchedulerConfig(max_num_seqs=8, num_decode_steps=4, max_inflight=2).size_for("cuda")
+    assert (mine.max_num_seqs, mine.num_decode_steps, mine.max_inflight) == (8, 4, 2)
+    assert not mine.adaptive_rounds  # a number the user gave is kept as the bound it names
+
+
+def test_engine_sized_rounds_fill_the_round_time(ray_cluster, tiny_llama, prompts):
+    """With rounds sized by the engine (the CUDA default, forced here on CPU), round
+    lengths follow the measured step time, within 1..num_decode_steps, and outputs stay
+    those of single steps."""
+    from raypp.config import ROUND_TARGET_S
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=1) as single:
+        expected = _completions(single.generate(_inputs(prompts[:4]), params, use_tqdm=False))
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=16) as llm:
+        engine = llm.engine
+        engine.config.scheduler.adaptive_rounds = True  # what size_for sets on CUDA
+        engine.scheduler.round_steps = 1
+        rounds: list[int] = []
+        submit = engine.executor.submit
+
+        def recording_submit(step):
+            rounds.append(step.num_steps)
+            return submit(step)
+
+        engine.executor.submit = recording_submit
+        assert _completions(llm.generate(_inputs(prompts[:4]), params, use_tqdm=False)) == expected
+    step_s = engine._round_step_s
+    assert step_s is not None and rounds[0] == 1  # rounds start at one step, then are sized
+    assert engine.scheduler.round_steps == max(1, min(16, int(ROUND_TARGET_S / step_s)))
+    assert max(rounds) <= 16
