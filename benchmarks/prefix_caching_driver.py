@@ -28,7 +28,7 @@ def _one_run(num_prompts: int, prompt_len: int, output_len: int, caching: bool,
     """(prefill steps' seconds, decode steps' seconds, prefill steps, decode steps)."""
     rng = random.Random(seed)
     blocks = BlockManager(num_prompts * (prompt_len + output_len) // 16 + 64, 16, caching)
-    sched = Scheduler(SchedulerConfig(), blocks, prompt_len + output_len + 16)
+    sched = Scheduler(SchedulerConfig().size_for("cpu"), blocks, prompt_len + output_len + 16)
     builder = StepBuilder(sched)
     for i in range(num_prompts):
         sched.add(Sequence(i, str(i), 0, [rng.randrange(3, 30000) for _ in range(prompt_len)],

@@ -17,9 +17,9 @@ def ray_cluster():
     """A local Ray cluster shared by the whole session (started once)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
-                 log_to_driver=False)
+    from raypp.executor.stage_pool import ensure_ray
+
+    ensure_ray(None)  # the cluster users get: RAY_ADDRESS's, else a new local one
     yield ray
     ray.shutdown()
 

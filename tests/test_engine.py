@@ -3,6 +3,8 @@ pipelined micro-batches, sampling, abort."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hf_reference import corpus_prompts, hf_greedy, hf_logits
@@ -24,7 +26,7 @@ def _as_inputs(prompts):
 @pytest.fixture(scope="module")
 def pp2(ray_cluster, tiny_llama):
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=8, seed=3) as llm:
-        assert llm.engine.config.scheduler.max_inflight == 2
+        assert llm.engine.config.scheduler.max_inflight == 3  # pp + 1
         yield llm
 
 
@@ -42,6 +44,14 @@ def prompts(pp2):
 @pytest.fixture(scope="module")
 def reference(tiny_llama, prompts):
     return hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+
+
+def test_stages_run_at_the_drivers_priority(pp2):
+    """Ray starts workers at nice 15; a stage must not lose its core to the driver."""
+    import ray
+
+    pids = ray.get([lane[0].ping.remote() for lane in pp2.engine.executor.workers], timeout=60)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [os.nice(0)] * 2
 
 
 def test_many_requests_together_match_each_alone(pp2, prompts, reference):
@@ -86,9 +96,9 @@ def test_pipelined_micro_batches_overlap_and_match_pp1(pp1, pp2, prompts, refere
     assert overlaps > 0, "the two stages never computed at the same time"
 
 
-def test_pp3_with_three_in_flight_matches(ray_cluster, tiny_llama, prompts, reference):
+def test_pp3_with_four_in_flight_matches(ray_cluster, tiny_llama, prompts, reference):
     with LLM(str(tiny_llama), pipeline_parallel_size=3, max_num_seqs=6) as llm:
-        assert llm.engine.config.scheduler.max_inflight == 3
+        assert llm.engine.config.scheduler.max_inflight == 4
         assert _ids(llm.generate(_as_inputs(prompts), GREEDY, use_tqdm=False)) == reference
 
 

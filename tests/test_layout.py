@@ -37,7 +37,6 @@ ENV_ALLOWED = {
 }
 RAY_ENV_USERS = {
     "raypp.executor.stage_pool",  # joins RAY_ADDRESS, copies RAY_CGRAPH_* to the stage actors
-    "raypp.bench.cluster",  # joins RAY_ADDRESS or starts a private cluster
     "raypp.bench.hop",  # copies RAY_CGRAPH_* to its actors
     "raypp.testing.multinode",  # starts a simulated cluster
 }

@@ -42,6 +42,13 @@ def multi_sync(ray_cluster, tiny_llama):
 
 
 @pytest.fixture(scope="module")
+def single_sync(ray_cluster, tiny_llama):
+    """One step per round trip, each submitted only after the previous one's result is read."""
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, async_scheduling=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def prompts(single):
     return corpus_prompts(single.get_tokenizer(), LENGTHS)
 
@@ -130,10 +137,14 @@ def test_streamed_tokens_arrive_in_groups_of_at_most_k(multi, prompts):
     assert max(growth) == 4
 
 
-def test_async_scheduling_changes_no_output(multi, multi_sync, prompts):
+@pytest.mark.parametrize("steps", [4, 1])
+def test_async_scheduling_changes_no_output(request, steps, prompts):
     """Rounds submitted ahead (fed on the stage from the previous round's last tokens)
-    give what rounds submitted one at a time give: greedy, seeded sampling with
-    logprobs, n > 1, stops by id, string and length mid-round."""
+    give what rounds submitted one at a time give, with one decode step per round as
+    with several: greedy, seeded sampling with logprobs, n > 1, stops by id, string
+    and length mid-round."""
+    multi, multi_sync = (request.getfixturevalue(name) for name in
+                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
     free_run = multi_sync.generate(_inputs(prompts[:4]), GREEDY, use_tqdm=False)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=4 * i + 3,
                              logprobs=2, n=2) for i in range(len(prompts))]
@@ -156,10 +167,13 @@ def test_async_scheduling_changes_no_output(multi, multi_sync, prompts):
         assert blocks.num_free == blocks.num_blocks
 
 
-def test_requests_arriving_or_aborted_during_rounds_ahead(multi, multi_sync, prompts):
+@pytest.mark.parametrize("steps", [4, 1])
+def test_requests_arriving_or_aborted_during_rounds_ahead(request, steps, prompts):
     """A request added while a round runs ahead is served once the running rounds
     end; one aborted with a round in flight frees its blocks and loses nobody else's
     tokens."""
+    multi, multi_sync = (request.getfixturevalue(name) for name in
+                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in multi_sync.generate(_inputs(prompts[:3]), params, use_tqdm=False)]
@@ -229,3 +243,47 @@ def test_async_scheduling_option():
     assert SchedulerConfig().async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         SchedulerConfig(async_scheduling="no")
+
+
+def test_limits_left_unset_are_sized_for_the_device():
+    from raypp.config import AUTO_DECODE_STEPS, SchedulerConfig
+
+    cuda = SchedulerConfig().size_for("cuda")
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens, cuda.max_inflight) == (256, 8192, 1)
+    assert cuda.adaptive_rounds and cuda.num_decode_steps == AUTO_DECODE_STEPS
+    cpu = SchedulerConfig().size_for("cpu")
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.num_decode_steps) == (64, 2048, 1)
+    assert not cpu.adaptive_rounds
+    pp2 = SchedulerConfig().size_for("cuda", pipeline_parallel_size=2)
+    assert (pp2.num_decode_steps, pp2.adaptive_rounds, pp2.max_inflight) == (1, False, 3)
+    mine = SchedulerConfig(max_num_seqs=8, num_decode_steps=4, max_inflight=2).size_for("cuda")
+    assert (mine.max_num_seqs, mine.num_decode_steps, mine.max_inflight) == (8, 4, 2)
+    assert not mine.adaptive_rounds  # a number the user gave is kept as the bound it names
+
+
+def test_engine_sized_rounds_fill_the_round_time(ray_cluster, tiny_llama, prompts):
+    """With rounds sized by the engine (the CUDA default, forced here on CPU), round
+    lengths follow the measured step time, within 1..num_decode_steps, and outputs stay
+    those of single steps."""
+    from raypp.config import ROUND_TARGET_S
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=1) as single:
+        expected = _completions(single.generate(_inputs(prompts[:4]), params, use_tqdm=False))
+    with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=16) as llm:
+        engine = llm.engine
+        engine.config.scheduler.adaptive_rounds = True  # what size_for sets on CUDA
+        engine.scheduler.round_steps = 1
+        rounds: list[int] = []
+        submit = engine.executor.submit
+
+        def recording_submit(step):
+            rounds.append(step.num_steps)
+            return submit(step)
+
+        engine.executor.submit = recording_submit
+        assert _completions(llm.generate(_inputs(prompts[:4]), params, use_tqdm=False)) == expected
+    step_s = engine._round_step_s
+    assert step_s is not None and rounds[0] == 1  # rounds start at one step, then are sized
+    assert engine.scheduler.round_steps == max(1, min(16, int(ROUND_TARGET_S / step_s)))
+    assert max(rounds) <= 16

@@ -84,11 +84,15 @@ def _expected(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+def _sized(**limits) -> SchedulerConfig:
+    return SchedulerConfig(**limits).size_for("cpu")
+
+
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
               arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=()):
     """Run every request to its end; ``aborts``: (step, request index) pairs."""
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
+    config = _sized(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
                              max_inflight=inflight, num_decode_steps=decode_steps)
     sched = Scheduler(config, blocks, max_model_len=10_000)
     pipe = FakePipeline(blocks)
@@ -215,7 +219,7 @@ def test_tight_budget_preempts_and_still_matches():
 def test_decode_horizon_respects_wanted_tokens_model_length_and_free_blocks():
     def horizon(max_tokens, prompt_len=6, num_blocks=100, max_model_len=10_000, penalty=0.0):
         blocks = BlockManager(num_blocks, 4)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+        sched = Scheduler(_sized(max_num_seqs=8, max_num_batched_tokens=512,
                                           num_decode_steps=8), blocks, max_model_len)
         params = [SamplingParams(max_tokens=m, presence_penalty=penalty) for m in max_tokens]
         for i, p in enumerate(params):
@@ -253,7 +257,7 @@ def _decoding(num_blocks: int, max_tokens: list[int], prompt_len: int = 6, steps
               max_model_len: int = 10_000) -> tuple[Scheduler, MicroBatch]:
     """A scheduler whose sequences have one sampled token, and their first decode round."""
     blocks = BlockManager(num_blocks, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+    sched = Scheduler(_sized(max_num_seqs=8, max_num_batched_tokens=512,
                                       num_decode_steps=steps), blocks, max_model_len)
     for i, m in enumerate(max_tokens):
         sched.add(Sequence(i, str(i), 0, list(range(prompt_len)), SamplingParams(max_tokens=m),
@@ -334,7 +338,7 @@ def test_long_prompt_is_chunked():
 
 def test_micro_batches_split_the_running_set_evenly():
     blocks = BlockManager(100, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_inflight=2),
+    sched = Scheduler(_sized(max_num_seqs=8, max_num_batched_tokens=512, max_inflight=2),
                       blocks, 10_000)
     for i in range(8):
         sched.add(Sequence(i, str(i), 0, [1, 2, 3], SamplingParams(), seed=0))
@@ -409,7 +413,7 @@ def _seq(i: int, tokens: list[int], max_tokens: int = 4) -> Sequence:
 def test_identical_prompt_computes_only_its_last_block():
     for length in (16, 17, 19, 5):
         blocks = BlockManager(64, 4)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512), blocks, 1000)
+        sched = Scheduler(_sized(max_num_seqs=4, max_num_batched_tokens=512), blocks, 1000)
         first = _admit(sched, _seq(0, range(length)))
         sched.complete(first)
         again = _admit(sched, _seq(1, range(length)))
@@ -426,7 +430,7 @@ def test_blocks_are_cached_only_once_computed():
     """A block's hash is registered when the step that filled it completes: a twin
     scheduled while it is in flight computes everything itself."""
     blocks = BlockManager(64, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), blocks, 1000)
+    sched = Scheduler(_sized(max_num_seqs=4, max_num_batched_tokens=8), blocks, 1000)
     first = _admit(sched, _seq(0, range(9)))  # a chunk of 8: blocks 0 and 1
     assert blocks.num_cached == 0
     twin = _admit(sched, _seq(1, range(9)))  # scheduled while ``first`` is in flight
@@ -442,7 +446,7 @@ def test_blocks_are_cached_only_once_computed():
 
 def test_failed_step_caches_nothing():
     blocks = BlockManager(64, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), blocks, 1000)
+    sched = Scheduler(_sized(max_num_seqs=4, max_num_batched_tokens=64), blocks, 1000)
     batch = _admit(sched, _seq(0, range(12)))
     sched.complete(batch, ok=False)
     seq = batch.seqs[0].seq

@@ -228,39 +228,71 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits. ``max_inflight`` (micro-batches in the pipeline) defaults to pp.
+    """Batching limits; one left ``None`` is sized for the device by :meth:`size_for`
+    (:data:`DEVICE_DEFAULTS`), which :class:`EngineConfig` calls.
 
-    ``num_decode_steps`` > 1 lets a micro-batch of pure decode sequences run up to
-    that many decode steps in one round trip to the stage: the stage feeds each
-    sampled token straight back as the next input, on the device. Outputs are
-    identical to single steps (tokens past a stop are dropped). A round takes several
-    steps only while no waiting request could join a batch (otherwise one step, so a
-    prefill is never held back by more than the round in flight); streamed tokens
-    arrive in groups. Needs
-    ``pipeline_parallel_size == 1``; sequences with penalties decode one step at a time.
+    ``max_inflight``: micro-batches in the pipeline; default pp, plus one with pp > 1
+    so no stage waits while the engine reads a result and schedules the next one.
 
-    ``async_scheduling`` (one-stage pipelines): while a multi-step decode round runs,
-    the engine already submits the batch's next round, whose input ids the stage
-    takes on the device from the running round's last tokens, so the stage never
-    waits for the engine's bookkeeping between rounds. Outputs are unchanged (tokens
-    past a stop are dropped); new requests then wait up to two rounds.
+    ``num_decode_steps`` > 1: a pure decode micro-batch may run up to that many steps
+    in one round trip, the stage feeding each sampled token back as the next input on
+    the device; only while no waiting request could join a batch (a prefill is never
+    held back by more than the round in flight), with ``pipeline_parallel_size == 1``,
+    and without penalties. Outputs equal single steps' (tokens past a stop are
+    dropped); streamed tokens arrive in groups. Left ``None``: on CUDA the engine sizes
+    each round, up to :data:`AUTO_DECODE_STEPS`, to about :data:`ROUND_TARGET_S` at the
+    measured step time (a request arriving mid-round waits about two rounds at most);
+    on CPU, where compute dwarfs the round trip, one step.
+
+    ``async_scheduling`` (pp = 1): while a decode round runs, the engine already
+    submits the batch's next round, whose input ids the stage takes on the device from
+    the running round's last tokens, so the stage never waits for the engine's
+    bookkeeping; only while no waiting request could join a batch; same outputs.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_inflight: int | None = None
-    num_decode_steps: int = 1
+    num_decode_steps: int | None = None
     async_scheduling: bool = True
+    # set by size_for: the engine sizes decode rounds itself (num_decode_steps left None)
+    adaptive_rounds: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps"):
             value = getattr(self, f)
-            if not (isinstance(value, int) and value >= 1):
+            if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+
+    def size_for(self, device: str, pipeline_parallel_size: int = 1) -> SchedulerConfig:
+        """Give every limit left ``None`` its default for ``device`` ("cpu" or "cuda") and
+        ``pipeline_parallel_size``; returns ``self``. Idempotent."""
+        if self.num_decode_steps is None:
+            self.adaptive_rounds = device == "cuda" and pipeline_parallel_size == 1
+        for name, value in DEVICE_DEFAULTS[device].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.num_decode_steps is None:
+            self.num_decode_steps = AUTO_DECODE_STEPS if self.adaptive_rounds else 1
+        if self.max_inflight is None:
+            pp = pipeline_parallel_size
+            self.max_inflight = pp + 1 if pp > 1 else 1
+        return self
+
+
+# Scheduler limits left unset, per device: on CUDA like the best peers' (many sequences,
+# big prefill chunks: a GPU step costs little more for more rows); on CPU, where a step's
+# cost grows with its tokens, smaller.
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+}
+AUTO_DECODE_STEPS = 64  # the most decode steps of an engine-sized round (CUDA, pp = 1)
+ROUND_TARGET_S = 0.02  # an engine-sized round lasts about this long
 
 
 @dataclass
@@ -284,6 +316,7 @@ class RuntimeConfig:
     fused_decode_max_rows: int | None = None
     trace_comm: bool | None = None
     fault_inject: str | None = None
+    cpu_threads: int | None = None  # 0: the host's cores over the stage workers
 
     def __post_init__(self) -> None:
         defaults = {
@@ -299,6 +332,7 @@ class RuntimeConfig:
             "fused_decode_max_rows": envs.RAYPP_FUSED_DECODE,
             "trace_comm": envs.RAYPP_TRACE_COMM,
             "fault_inject": envs.RAYPP_FAULT_INJECT or None,
+            "cpu_threads": envs.RAYPP_CPU_THREADS,
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:
@@ -306,7 +340,7 @@ class RuntimeConfig:
         for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows"):
+        for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         self.driver_wait = self.driver_wait.strip().lower()
@@ -341,9 +375,8 @@ class EngineConfig:
                              "RayPPCommunicator (the default) with workers_per_gpu > 1")
         if self.runtime.driver_wait == "auto":  # spinning costs a core, which a CPU host lacks
             self.runtime.driver_wait = "spin" if self.device == "cuda" else "poll"
-        if self.scheduler.max_inflight is None:
-            self.scheduler.max_inflight = self.parallel.pipeline_parallel_size
         pp = self.parallel.pipeline_parallel_size
+        self.scheduler.size_for(self.device, pp)
         if self.scheduler.num_decode_steps > 1 and pp > 1:
             raise ValueError(
                 f"num_decode_steps={self.scheduler.num_decode_steps} needs "
@@ -367,15 +400,15 @@ class EngineConfig:
     @property
     def rounds_ahead(self) -> int:
         """Decode rounds the engine submits ahead of a running one: 1 with
-        ``async_scheduling`` on a one-stage pipeline (the only kind that runs
-        multi-step rounds), else 0."""
+        ``async_scheduling`` on a one-stage pipeline (whose stage holds the sampled
+        tokens the next round feeds), else 0."""
         sc = self.scheduler
         return int(sc.async_scheduling and self.parallel.pipeline_parallel_size == 1)
 
     @property
     def executor_depth(self) -> int:
         """Steps an executor must accept at once: ``max_inflight`` plus ``rounds_ahead``."""
-        return (self.scheduler.max_inflight or 1) + self.rounds_ahead
+        return self.scheduler.max_inflight + self.rounds_ahead
 
 
 def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:

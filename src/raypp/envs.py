@@ -65,6 +65,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _float("RAYPP_STEP_TIMEOUT_S", "60"),
         "Longest wait for one pipeline step's result before the step counts as hung.",
     ),
+    "RAYPP_CPU_THREADS": (
+        _int("RAYPP_CPU_THREADS", "0"),
+        "torch threads of each stage worker on CPU; 0 (default): the host's cores divided "
+        "by the stage workers.",
+    ),
     "RAYPP_DIST_TIMEOUT_S": (
         _float("RAYPP_DIST_TIMEOUT_S", "60"),
         "torch.distributed process-group timeout: bounds a receive blocked on a dead peer.",

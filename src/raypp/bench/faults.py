@@ -71,7 +71,7 @@ def _summary(values: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from raypp.bench.cluster import start_ray
+    from raypp.executor.stage_pool import ensure_ray
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    start_ray(None)
+    ensure_ray(None)
     result = kill_timings(args.model, args.pipeline_parallel_size, args.kills)
     result["idle_cpu_per_stage_suspended"] = idle_cpu(args.model, args.pipeline_parallel_size,
                                                       args.idle_seconds, 1.0)

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raypp.bench.cluster import start_ray
 from raypp.bench.cpu import CpuMeter
 from raypp.bench.report import format_table, percentile, run_context, summarize, write_json
 from raypp.config import ParallelConfig, RuntimeConfig
 from raypp.distributed.ports import free_port
+from raypp.executor.stage_pool import ensure_ray
 
 TRANSPORTS = ("raypp", "shm", "default", "actor")
 _TRANSPORT_LABELS = {
@@ -314,7 +314,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def run_hop_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the hop benchmark described by parsed ``add_hop_args`` options."""
-    start_ray(getattr(args, "ray_address", None))
+    ensure_ray(getattr(args, "ray_address", None))
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []

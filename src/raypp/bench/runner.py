@@ -42,10 +42,10 @@ from raypp.bench.workload import (
 def make_llm(args: argparse.Namespace) -> Any:
     """The ``LLM`` a ``throughput`` or ``latency`` command line describes (starts Ray)."""
     from raypp import LLM
-    from raypp.bench.cluster import start_ray
     from raypp.entrypoints.args import engine_kwargs, resolve_model
+    from raypp.executor.stage_pool import ensure_ray
 
-    start_ray(args.ray_address)
+    ensure_ray(args.ray_address)
     # a timeline needs the stages' send/recv intervals
     return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args),
                **({"trace_comm": True} if args.timeline else {}))

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from raypp.config import EngineConfig
+from raypp.config import ROUND_TARGET_S, EngineConfig
 from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.output_processor import OutputProcessor, request_output
@@ -85,6 +85,8 @@ class LLMEngine:
         self._inflight: deque[_InFlight] = deque()
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.model.seed)
+        self._round_step_s: float | None = None  # decode step time, averaged (adaptive rounds)
+        self._last_result_at = 0.0
         self.stats = EngineStats()
         # Start-up objects (tokenizer, Ray, torch) live for the whole run: keep them out
         # of the cyclic GC's full passes, which otherwise cost milliseconds per step.
@@ -225,6 +227,7 @@ class LLMEngine:
             self._inflight.appendleft(item)
             return self._on_executor_failure(e)
         got = time.perf_counter()
+        self._size_rounds(item.step, got)
         seqs, text_pending = self.output_processor.append_results(item.batch, result)
         failure = None
         try:  # the next micro-batch runs while this one's text is decoded
@@ -243,8 +246,22 @@ class LLMEngine:
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
         return outputs
 
+    def _size_rounds(self, step: StepInput, got: float) -> None:
+        """With engine-sized decode rounds, let the next rounds take as many steps as
+        fill about ``ROUND_TARGET_S`` at the decode step time measured so far: the time
+        between two results of chained rounds (the stage started this round as the
+        previous one ended) over this round's steps."""
+        since, self._last_result_at = self._last_result_at, got
+        if not self.config.scheduler.adaptive_rounds or step.continues is None:
+            return
+        per_step = (got - since) / step.num_steps
+        average = self._round_step_s
+        self._round_step_s = per_step if average is None else 0.7 * average + 0.3 * per_step
+        steps = int(ROUND_TARGET_S / max(self._round_step_s, 1e-6))
+        self.scheduler.round_steps = max(1, min(self.config.scheduler.num_decode_steps, steps))
+
     def _fill_pipeline(self) -> None:
-        while len(self._inflight) < (self.config.scheduler.max_inflight or 1):
+        while len(self._inflight) < self.config.scheduler.max_inflight:
             batch = self.scheduler.schedule()
             if batch is None:
                 return
@@ -254,12 +271,11 @@ class LLMEngine:
     def _submit_next_round(self, item: _InFlight) -> None:
         """Asynchronous scheduling: submit the next decode round of ``item`` (just taken
         from the pipeline, its result not yet read) so the stage starts it as soon as
-        ``item`` ends. Only when ``item`` loops on the device, nothing else is in
-        flight, and no waiting request could join a freshly scheduled batch instead."""
+        ``item`` ends, one step or several. Only when ``item`` loops on the device (the
+        scheduler checks), nothing else is in flight, and no waiting request could join
+        a freshly scheduled batch instead."""
         step = item.step
-        if (not self.config.rounds_ahead or self._inflight
-                or (step.num_steps == 1 and step.continues is None)
-                or self.scheduler.can_admit()):
+        if not self.config.rounds_ahead or self._inflight or self.scheduler.can_admit():
             return
         batch = self.scheduler.continue_batch(item.batch)
         if batch is None:

@@ -47,7 +47,13 @@ class MicroBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        if None in (config.max_num_seqs, config.max_num_batched_tokens, config.max_inflight,
+                    config.num_decode_steps):
+            raise ValueError("the scheduler's limits are unset: SchedulerConfig.size_for(device)")
         self.config = config
+        # the most decode steps a round may take now: num_decode_steps, or fewer while the
+        # engine sizes rounds by time (SchedulerConfig.adaptive_rounds)
+        self.round_steps = 1 if config.adaptive_rounds else config.num_decode_steps
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -85,7 +91,7 @@ class Scheduler:
     # -- forming a micro-batch -------------------------------------------------------------
     def schedule(self) -> MicroBatch | None:
         """The next micro-batch of sequences not in flight, or ``None`` if none can run."""
-        slots = self.config.max_inflight or 1
+        slots = self.config.max_inflight
         active = min(self.num_active, self.config.max_num_seqs)
         seq_cap = max(1, -(-active // slots))  # spread sequences evenly over the slots
         token_budget = self.config.max_num_batched_tokens
@@ -132,7 +138,7 @@ class Scheduler:
         steps = 1
         # several decode steps per round only while no waiting request could join a batch:
         # a round of K steps would hold its prefill back for K steps
-        if (self.config.num_decode_steps > 1 and not self.can_admit()
+        if (self.round_steps > 1 and not self.can_admit()
                 and all(_loops_on_device(item) for item in chosen)):
             steps = self._decode_horizon([item.seq for item in chosen], ahead=0)
         return MicroBatch(chosen, steps)
@@ -176,7 +182,7 @@ class Scheduler:
         fewer when free blocks run short (no preemption for look-ahead); 0 when
         not even one step's blocks are free (only possible with ``ahead``).
         """
-        limit = self.config.num_decode_steps
+        limit = self.round_steps
         wanted = max(self.room(s, ahead) if s.params.max_tokens is not None else limit
                      for s in seqs)
         room = min(self.max_model_len - s.num_tokens - ahead for s in seqs)

@@ -25,13 +25,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences running at once (default: 256 on CUDA, 64 on CPU)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens in one step (default: 8192 on CUDA, 2048 on CPU)")
     parser.add_argument("--max-inflight", type=int, default=None,
-                        help="micro-batches in the pipeline at once (default: pp)")
+                        help="micro-batches in the pipeline at once (default: pp, plus "
+                             "one with pp > 1)")
     parser.add_argument("--num-decode-steps", type=int, default=None,
                         help="decode steps per round trip to the stage for pure decode "
-                             "batches (pp=1 only; default 1)")
+                             "batches (pp=1 only; default: CUDA, the engine sizes rounds to "
+                             "about 20 ms, at most 64 steps; CPU, 1)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="submit a decode batch's next multi-step round "
                         "before reading the current one (pp=1; default on)")
@@ -55,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers-per-gpu", type=int, default=None, metavar="N",
                         help="stage workers that may share one GPU, e.g. -pp 2 --workers-per-gpu 2 "
                              "on one GPU (default: RAYPP_WORKERS_PER_GPU, 1)")
+    parser.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                        help="torch threads per stage worker on CPU (default: "
+                             "RAYPP_CPU_THREADS, else the host's cores over the workers)")
     parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
                         help="longest wait for one pipeline step before it counts as hung "
                              "(default: RAYPP_STEP_TIMEOUT_S, 60)")
@@ -95,6 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "step_timeout_s": args.step_timeout_s,
         "workers_per_gpu": args.workers_per_gpu,
+        "cpu_threads": args.cpu_threads,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

@@ -33,7 +33,9 @@ PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this, whatever i
 
 
 def ensure_ray(address: str | None) -> None:
-    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local one."""
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a new local one
+    (never one that someone started on this machine with ``ray start``: a benchmark
+    must not measure someone else's cluster by accident)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -47,6 +49,9 @@ def ensure_ray(address: str | None) -> None:
             object_store_memory=256 * 2**20,
             include_dashboard=False,
             log_to_driver=True,
+            # Ray starts workers at nice 15; a stage is the engine's compute and must not
+            # lose its core to the driver or anything else on the host
+            _system_config={"worker_niceness": 0},
         )
 
 

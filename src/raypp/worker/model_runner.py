@@ -52,7 +52,8 @@ class ModelRunner:
         if not self.model.stage.is_last:
             hidden, residual = self._forward(resolved, handoff)
             return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
-        if step.num_steps > 1 or step.continues is not None:
+        if (step.num_steps > 1 or step.continues is not None
+                or (self.model.stage.is_first and loops_on_device(step))):
             return self._decode_steps(resolved, previous)
         return self._sample(resolved, self._logits(resolved, handoff))
 
@@ -98,10 +99,11 @@ class ModelRunner:
         return StepOutput(step.step_id, [[t] for t in tokens],
                           [None if lp is None else [lp] for lp in logprobs])
 
-    # -- multi-step decode rounds ---------------------------------------------------------
+    # -- decode rounds --------------------------------------------------------------------
     def _decode_steps(self, step: ResolvedStep, previous: tuple[int, torch.Tensor] | None
                       ) -> StepOutput:
-        """``step.num_steps`` decode steps of a one-stage pipeline, in one call.
+        """``step.num_steps`` (one or more) decode steps of a one-stage pipeline, in one
+        call; the last step's tokens stay on the device for a round that continues it.
 
         A step that ``continues`` a round takes its input ids from that round's last
         tokens: ``previous``, the round this stage ran just before (else ``ValueError``).
@@ -133,6 +135,15 @@ class ModelRunner:
             self.block_size)
         self._last_round = (step.step_id, run.last_tokens)
         return StepOutput(step.step_id, run.token_ids, run.logprobs)
+
+
+def loops_on_device(step: StepInput) -> bool:
+    """True if every row of ``step`` feeds one token and samples the next without
+    penalties (those need the token history on the host): on a one-stage pipeline its
+    sampled tokens can be the next round's input ids without leaving the device."""
+    sampling = step.sampling
+    return (sampling is not None and step.num_tokens == step.num_seqs == len(step.sample_rows)
+            and not sampling.any_penalties)
 
 
 def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[int]) -> None:

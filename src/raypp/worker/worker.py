@@ -66,8 +66,8 @@ class StageWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
-            torch.set_num_threads(threads)
+            threads = config.runtime.cpu_threads or (os.cpu_count() or 1) // self.layout.world_size
+            torch.set_num_threads(max(1, threads))
         ray_compat.apply(on_cpu=self.device.type == "cpu")
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
