@@ -75,7 +75,7 @@ def run(batch_size: int, context: int, steps: int) -> dict[str, Any]:
     num_blocks = batch_size * (context // BLOCK_SIZE + 4)
     blocks = BlockManager(num_blocks, BLOCK_SIZE, enable_caching=False)
     config = SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size * context,
-                             max_inflight=1)
+                             max_inflight=1, num_decode_steps=1)
     sched = Scheduler(config, blocks, max_model_len=context + steps + BLOCK_SIZE)
     builder, mirror = StepBuilder(sched), BlockTableMirror(BLOCK_SIZE)
     for i in range(batch_size):  # contexts end at every offset within a block
