@@ -32,6 +32,7 @@ from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
+from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.faults import FaultInjector
 from raypp.worker.model_runner import ModelRunner
 
@@ -63,11 +64,13 @@ class StageWorker:
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.rank = self.layout.rank(pp_rank, tp_rank)
         self.device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
+        self._threads: StepThreads | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            threads = config.runtime.cpu_threads or (os.cpu_count() or 1) // self.layout.world_size
-            torch.set_num_threads(max(1, threads))
+            self._threads = StepThreads(stage_threads(config.runtime.cpu_threads,
+                                                      self.layout.world_size))
+            torch.set_num_threads(self._threads.full)  # loading and set-up
         ray_compat.apply(on_cpu=self.device.type == "cpu")
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
@@ -201,6 +204,8 @@ class StageWorker:
         started = time.time()
         try:
             self._fault.before_step(step.step_id)
+            if self._threads is not None:
+                self._threads.for_step(step.num_tokens)
             out = self.runner.execute(step, handoff)
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
             raise StageError(f"stage {self.pp_rank} (tp rank {self.tp_rank}) failed at step "
