@@ -26,7 +26,7 @@ def _as_inputs(prompts):
 @pytest.fixture(scope="module")
 def pp2(ray_cluster, tiny_llama):
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=8, seed=3) as llm:
-        assert llm.engine.config.scheduler.max_inflight == 3  # pp + 1
+        assert llm.engine.config.scheduler.max_inflight == 2
         yield llm
 
 
@@ -96,9 +96,9 @@ def test_pipelined_micro_batches_overlap_and_match_pp1(pp1, pp2, prompts, refere
     assert overlaps > 0, "the two stages never computed at the same time"
 
 
-def test_pp3_with_four_in_flight_matches(ray_cluster, tiny_llama, prompts, reference):
+def test_pp3_with_three_in_flight_matches(ray_cluster, tiny_llama, prompts, reference):
     with LLM(str(tiny_llama), pipeline_parallel_size=3, max_num_seqs=6) as llm:
-        assert llm.engine.config.scheduler.max_inflight == 4
+        assert llm.engine.config.scheduler.max_inflight == 3
         assert _ids(llm.generate(_as_inputs(prompts), GREEDY, use_tqdm=False)) == reference
 
 

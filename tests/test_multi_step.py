@@ -255,7 +255,7 @@ def test_limits_left_unset_are_sized_for_the_device():
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.num_decode_steps) == (64, 2048, 1)
     assert not cpu.adaptive_rounds
     pp2 = SchedulerConfig().size_for("cuda", pipeline_parallel_size=2)
-    assert (pp2.num_decode_steps, pp2.adaptive_rounds, pp2.max_inflight) == (1, False, 3)
+    assert (pp2.num_decode_steps, pp2.adaptive_rounds, pp2.max_inflight) == (1, False, 2)
     mine = SchedulerConfig(max_num_seqs=8, num_decode_steps=4, max_inflight=2).size_for("cuda")
     assert (mine.max_num_seqs, mine.num_decode_steps, mine.max_inflight) == (8, 4, 2)
     assert not mine.adaptive_rounds  # a number the user gave is kept as the bound it names

@@ -30,8 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens in one step (default: 8192 on CUDA, 2048 on CPU)")
     parser.add_argument("--max-inflight", type=int, default=None,
-                        help="micro-batches in the pipeline at once (default: pp, plus "
-                             "one with pp > 1)")
+                        help="micro-batches in the pipeline at once (default: pp)")
     parser.add_argument("--num-decode-steps", type=int, default=None,
                         help="decode steps per round trip to the stage for pure decode "
                              "batches (pp=1 only; default: CUDA, the engine sizes rounds to "
