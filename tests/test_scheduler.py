@@ -513,3 +513,12 @@ def test_crafted_colliding_token_runs_are_never_reused():
         assert blocks.num_cached == len(x) // 2
         assert blocks.find_cached(_seq(1, y + [9])) == []
         assert blocks.find_cached(_seq(2, x + [9])) == first_blocks[:len(x) // 2]
+
+
+def test_token_slices_cross_the_prompt_output_boundary():
+    seq = _seq(0, range(5))
+    seq.output_token_ids.extend([10, 11, 12])
+    everything = seq.all_token_ids
+    for start in range(len(everything) + 1):
+        for end in range(start, len(everything) + 1):
+            assert seq.token_ids(start, end) == everything[start:end]

@@ -47,7 +47,7 @@ class StepBuilder:
             if batch.ahead:  # the stage feeds the previous round's last tokens
                 ids.append(0)
             else:
-                ids.extend(seq.all_token_ids[start:end])
+                ids.extend(seq.token_ids(start, end))
             positions.extend(range(start, end))
             slots.extend(blocks.slot(seq, p) for p in range(start, end))
             query_start.append(len(ids))
