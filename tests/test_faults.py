@@ -87,11 +87,13 @@ def test_exception_in_a_stage_fails_only_its_step(ray_cluster, tiny_llama):
         assert llm.engine.restarts == 0 and llm.is_healthy()
 
 
-def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama):
-    """Step 1 is the first batch's first 4-step decode round and step 2 its continuation,
-    submitted before step 1's result was read: the fault fails that batch's requests with
-    the stage's error (not the continuation's), and the next batch is served exactly."""
-    with LLM(str(tiny_llama), num_decode_steps=4, max_num_seqs=3,
+@pytest.mark.parametrize("steps", [4, 1])
+def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama, steps):
+    """Step 1 is the first batch's first decode round (of 4 steps or 1) and step 2 its
+    continuation, submitted before step 1's result was read: the fault fails that batch's
+    requests with the stage's error (not the continuation's), and the next batch is
+    served exactly."""
+    with LLM(str(tiny_llama), num_decode_steps=steps, max_num_seqs=3,
              fault_inject="raise:0:1") as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [2, 4, 6, 8, 10, 12])
         failure = _failed_generate(llm, prompts)
