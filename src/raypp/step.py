@@ -24,6 +24,13 @@ against its mirror into a :class:`ResolvedStep` (with each row's whole table) th
 only it sees; what it passes on is the step as it came
 (:mod:`raypp.worker.block_tables`; the engine side is
 :class:`~raypp.engine.step_builder.StepBuilder`).
+
+The token history that penalties need travels the same way, to the last stage only:
+``penalty_history_updates`` holds ``(seq_id, prompt, start, tokens)`` for sampled rows
+with penalties: ``prompt`` (not ``None``) starts the sequence's history (its prompt,
+output empty), then its output tokens from index ``start`` on are ``tokens``; a
+sequence sampled again sends only the tokens it gained. ``finished_seq_ids`` drop
+histories too (:mod:`raypp.worker.penalty_history`).
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ class SamplingBatch:
     presence_penalty: list[float]
     frequency_penalty: list[float]
     repetition_penalty: list[float]
-    # token history for penalties; empty list for rows without penalties
-    prompt_tokens: list[list[int]]
-    output_tokens: list[list[int]]
+    # token history for penalties, per row (empty for rows without penalties): filled on
+    # the last stage from its history mirror (module docstring); the engine sends none
+    prompt_tokens: list[list[int]] = field(default_factory=list)
+    output_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def any_penalties(self) -> bool:
@@ -77,6 +85,10 @@ class StepInput:
     # what changed in the stages' block tables (module docstring): drops, then updates
     block_table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # penalized sequences' token history as changes (module docstring): (seq_id, prompt
+    # or None, start, output tokens from index start on)
+    penalty_history_updates: list[tuple[int, list[int] | None, int, list[int]]] = field(
+        default_factory=list)
     # decode steps to run back to back (> 1 only for pure decode on a one-stage pipeline):
     # the stage feeds each sampled token back as the next input on the device
     num_steps: int = 1

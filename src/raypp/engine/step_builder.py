@@ -33,6 +33,8 @@ class StepBuilder:
         # seq id -> (block epoch, table length) of the table the stages hold
         self._held: dict[int, tuple[int, int]] = {}
         self._drops: dict[int, None] = {}  # seq ids whose tables the next step drops
+        # seq id -> output tokens of its penalty history the last stage holds
+        self._history: dict[int, int] = {}
 
     def build(self, batch: MicroBatch) -> StepInput:
         ids, positions, slots, query_start, seq_lens, seq_ids, rows = [], [], [], [0], [], [], []
@@ -40,6 +42,7 @@ class StepBuilder:
         blocks = self.scheduler.blocks
         drops = self._drain_drops()
         updates = []
+        histories: list[tuple[int, list[int] | None, int, list[int]]] = []
         held = self._held
         for item in batch.seqs:
             seq, start = item.seq, item.seq.num_computed_tokens + batch.ahead
@@ -64,6 +67,8 @@ class StepBuilder:
             if item.sample:
                 rows.append(len(ids) - 1)
                 sampled.append(seq)
+                if seq.params.uses_penalties:
+                    self._add_history(seq, histories)
         return StepInput(
             step_id=next(self._step_ids),
             input_ids=ids,
@@ -76,16 +81,28 @@ class StepBuilder:
             sampling=sampling_batch(sampled, batch.ahead) if sampled else None,
             block_table_updates=updates,
             finished_seq_ids=drops,
+            penalty_history_updates=histories,
             num_steps=batch.num_steps,
             trace=self.trace,
         )
+
+    def _add_history(self, seq: Sequence,
+                     histories: list[tuple[int, list[int] | None, int, list[int]]]) -> None:
+        """Queue the penalty-history change of ``seq``, sampled in the step being built."""
+        output, held = seq.output_token_ids, self._history.get(seq.seq_id)
+        if held is None:
+            histories.append((seq.seq_id, list(seq.prompt_token_ids), 0, list(output)))
+        elif len(output) > held:
+            histories.append((seq.seq_id, None, held, output[held:]))
+        self._history[seq.seq_id] = len(output)
 
     def _drain_drops(self) -> list[int]:
         """Tables the stages may drop: those of sequences freed since the last step that
         the stages hold, and any :meth:`forget` queued."""
         drops, held = self._drops, self._held
         for seq_id in self.scheduler.blocks.drain_freed():
-            if held.pop(seq_id, None) is not None:
+            history = self._history.pop(seq_id, None)
+            if held.pop(seq_id, None) is not None or history is not None:
                 drops[seq_id] = None
         self._drops = {}
         return list(drops)
@@ -96,6 +113,7 @@ class StepBuilder:
         tables it dropped) in the next step, whatever each of them holds now."""
         for seq_id in step.seq_ids:
             self._held.pop(seq_id, None)
+            self._history.pop(seq_id, None)
             self._drops[seq_id] = None
         for seq_id in step.finished_seq_ids:
             if seq_id not in self._held:  # else a later step already sent a new table
@@ -104,6 +122,7 @@ class StepBuilder:
     def reset(self) -> None:
         """The stages hold no tables (new workers): the next steps send them whole."""
         self._held.clear()
+        self._history.clear()
         self._drops.clear()
         self.scheduler.blocks.drain_freed()
 
@@ -116,7 +135,6 @@ class StepBuilder:
 def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
     """The rows' sampling settings; ``ahead``: tokens each samples in flight before these."""
     params = [s.params for s in seqs]
-    penalized = [p.uses_penalties for p in params]
     return SamplingBatch(
         temperature=[p.temperature for p in params],
         top_p=[p.top_p for p in params],
@@ -128,6 +146,4 @@ def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],
         repetition_penalty=[p.repetition_penalty for p in params],
-        prompt_tokens=[s.prompt_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
-        output_tokens=[s.output_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
     )

@@ -21,6 +21,7 @@ from raypp.step import ResolvedStep, StageHandoff, StepInput, StepOutput
 from raypp.worker.block_tables import BlockTableMirror
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
+from raypp.worker.penalty_history import PenaltyHistoryMirror
 from raypp.worker.sampler import SamplingTensors, sample
 
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.block_tables = BlockTableMirror(block_size)
+        self.penalty_history = PenaltyHistoryMirror()  # used on the last stage only
         # (step id, its last sampled ids on the device) of the latest decode round
         self._last_round: tuple[int, torch.Tensor] | None = None
 
@@ -52,6 +54,7 @@ class ModelRunner:
         if not self.model.stage.is_last:
             hidden, residual = self._forward(resolved, handoff)
             return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
+        resolved.sampling = self.penalty_history.resolve(step)
         if (step.num_steps > 1 or step.continues is not None
                 or (self.model.stage.is_first and loops_on_device(step))):
             return self._decode_steps(resolved, previous)
