@@ -323,12 +323,16 @@ class LLMEngine:
         kind = (ErrorKind.STAGE_DIED if isinstance(error, StageDiedError)
                 else ErrorKind.STEP_TIMEOUT)
         logger.error("pipeline failed (%s): %s; replacing the stage workers", kind.value, error)
+        # the in-flight handles outlive the shutdown: a compiled graph's result reference
+        # dropped while its graph is still up tries to release a closed channel
+        failed = list(self._inflight)
+        self._inflight.clear()
+        self.executor.shutdown()
         outputs: list[RequestOutput] = []
-        while self._inflight:
-            outputs.extend(self._fail_batch(self._inflight.popleft().batch, str(error), kind))
+        for item in failed:
+            outputs.extend(self._fail_batch(item.batch, str(error), kind))
         for seq in list(self.scheduler.running):  # their KV cache dies with the workers
             self.scheduler.requeue(seq)
-        self.executor.shutdown()
         self._needs_restart = True
         return outputs
 
