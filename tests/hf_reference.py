@@ -22,8 +22,10 @@ def _hf_model(model_dir: str):
     return model.eval()
 
 
-def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuation of each prompt (token ids), stopping at EOS like HF does."""
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
+              **generate_kwargs) -> list[list[int]]:
+    """Greedy continuation of each prompt (token ids), stopping at EOS like HF does;
+    ``generate_kwargs`` go to ``generate`` (e.g. ``repetition_penalty``)."""
     model = _hf_model(str(model_dir))
     outs = []
     for ids in prompts:
@@ -35,6 +37,7 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=model.config.pad_token_id,
+                **generate_kwargs,
             )
         outs.append(y[0, len(ids):].tolist())
     return outs

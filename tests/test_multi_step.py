@@ -48,6 +48,12 @@ def single_sync(ray_cluster, tiny_llama):
         yield llm
 
 
+def _async_and_sync(request, steps: int):
+    """The engines with ``steps`` decode steps per round, asynchronous and not."""
+    names = ("multi", "multi_sync") if steps > 1 else ("single", "single_sync")
+    return tuple(request.getfixturevalue(name) for name in names)
+
+
 @pytest.fixture(scope="module")
 def prompts(single):
     return corpus_prompts(single.get_tokenizer(), LENGTHS)
@@ -143,8 +149,7 @@ def test_async_scheduling_changes_no_output(request, steps, prompts):
     give what rounds submitted one at a time give, with one decode step per round as
     with several: greedy, seeded sampling with logprobs, n > 1, stops by id, string
     and length mid-round."""
-    multi, multi_sync = (request.getfixturevalue(name) for name in
-                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
+    multi, multi_sync = _async_and_sync(request, steps)
     free_run = multi_sync.generate(_inputs(prompts[:4]), GREEDY, use_tqdm=False)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=4 * i + 3,
                              logprobs=2, n=2) for i in range(len(prompts))]
@@ -172,8 +177,7 @@ def test_requests_arriving_or_aborted_during_rounds_ahead(request, steps, prompt
     """A request added while a round runs ahead is served once the running rounds
     end; one aborted with a round in flight frees its blocks and loses nobody else's
     tokens."""
-    multi, multi_sync = (request.getfixturevalue(name) for name in
-                         (("multi", "multi_sync") if steps > 1 else ("single", "single_sync")))
+    multi, multi_sync = _async_and_sync(request, steps)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in multi_sync.generate(_inputs(prompts[:3]), params, use_tqdm=False)]

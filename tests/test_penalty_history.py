@@ -11,7 +11,7 @@ transformers' ``generate(repetition_penalty=...)`` at pp 1 and 2, under preempti
 from __future__ import annotations
 
 import pytest
-from hf_reference import _hf_model, corpus_prompts
+from hf_reference import corpus_prompts, hf_greedy
 
 from raypp import LLM, SamplingParams
 from raypp.config import SchedulerConfig
@@ -118,21 +118,6 @@ def test_the_mirror_refuses_a_history_it_does_not_hold():
 
 
 # -- a real engine against transformers -------------------------------------------------------
-def _hf_penalized_greedy(model_dir, prompts, max_new_tokens):
-    import torch
-
-    model = _hf_model(str(model_dir))
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               repetition_penalty=PENALTY, pad_token_id=model.config.pad_token_id)
-        outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("pp,blocks", [(1, None), (2, None), (2, 14)])
 def test_repetition_penalty_equals_transformers(ray_cluster, tiny_llama, pp, blocks):
     extra = {"num_blocks_override": blocks, "block_size": 8} if blocks else {}
@@ -144,4 +129,5 @@ def test_repetition_penalty_equals_transformers(ray_cluster, tiny_llama, pp, blo
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         if blocks:
             assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == _hf_penalized_greedy(tiny_llama, prompts, 20)
+    reference = hf_greedy(tiny_llama, prompts, 20, min_new_tokens=20, repetition_penalty=PENALTY)
+    assert [o.outputs[0].token_ids for o in outs] == reference

@@ -62,6 +62,11 @@ class SamplingBatch:
     prompt_tokens: list[list[int]] = field(default_factory=list)
     output_tokens: list[list[int]] = field(default_factory=list)
 
+    def penalized(self, row: int) -> bool:
+        """True if ``row`` samples with a presence, frequency or repetition penalty."""
+        return (self.presence_penalty[row] != 0 or self.frequency_penalty[row] != 0
+                or self.repetition_penalty[row] != 1)
+
     @property
     def any_penalties(self) -> bool:
         return (any(p != 0 for p in self.presence_penalty)

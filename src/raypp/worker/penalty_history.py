@@ -56,7 +56,7 @@ class PenaltyHistoryMirror:
         seq_ending_at = {end - 1: seq_id for seq_id, end in zip(step.seq_ids, step.query_start[1:])}
         row_prompts, row_outputs = [], []
         for r, token_index in enumerate(step.sample_rows):
-            if not _penalized(sampling, r):
+            if not sampling.penalized(r):
                 row_prompts.append([])
                 row_outputs.append([])
                 continue
@@ -68,7 +68,3 @@ class PenaltyHistoryMirror:
             row_outputs.append(outputs[seq_id])
         return dataclasses.replace(sampling, prompt_tokens=row_prompts, output_tokens=row_outputs)
 
-
-def _penalized(sampling: SamplingBatch, row: int) -> bool:
-    return (sampling.presence_penalty[row] != 0 or sampling.frequency_penalty[row] != 0
-            or sampling.repetition_penalty[row] != 1)
