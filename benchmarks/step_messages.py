@@ -47,7 +47,7 @@ def old_build(batch: MicroBatch, blocks: BlockManager, step_id: int) -> Resolved
     ids, positions, slots, query_start, seq_lens, tables, rows = [], [], [], [0], [], [], []
     sampled = []
     for item in batch.seqs:
-        seq, start = item.seq, item.seq.num_computed_tokens + batch.ahead
+        seq, start = item.seq, item.start
         end = start + item.num_tokens
         ids.extend(seq.all_token_ids[start:end])
         positions.extend(range(start, end))
@@ -57,7 +57,7 @@ def old_build(batch: MicroBatch, blocks: BlockManager, step_id: int) -> Resolved
         tables.append(list(seq.block_table))
         if item.sample:
             rows.append(len(ids) - 1)
-            sampled.append(seq)
+            sampled.append((seq, len(seq.output_token_ids)))
     return ResolvedStep(step_id=step_id, input_ids=ids, positions=positions,
                         query_start=query_start, seq_lens=seq_lens, seq_ids=[],
                         slot_mapping=slots, sample_rows=rows,

@@ -103,13 +103,12 @@ def test_non_first_stage_replays_its_graph_on_a_real_handoff(tiny_llama):
     greedy = SamplingBatch([0.0] * n, [1.0] * n, [0] * n, [0.0] * n, [0] * n, [0] * n, [-1] * n,
                            [0.0] * n, [0.0] * n, [1.0] * n, [[]] * n, [[]] * n)
     step = StepInput(
-        step_id=7, input_ids=[7, 8, 9], positions=[c - 1 for c in context],
-        query_start=list(range(n + 1)), seq_lens=context, seq_ids=list(range(n)),
-        block_table_updates=[(i, 0, t) for i, t in enumerate(tables)],
-        slot_mapping=[t[(c - 1) // block_size] * block_size + (c - 1) % block_size
-                      for t, c in zip(tables, context, strict=True)],
+        step_id=7, input_ids=[7, 8, 9], query_start=list(range(n + 1)), seq_lens=context,
+        seq_ids=list(range(n)), block_table_updates=[(i, 0, t) for i, t in enumerate(tables)],
         sample_rows=list(range(n)), sampling=greedy)
-    resolved = ResolvedStep.of(step, tables)  # what the runners hand their graphs
+    resolved = ResolvedStep.of(step, tables, block_size)  # what the runners hand their graphs
+    assert resolved.slot_mapping == [t[(c - 1) // block_size] * block_size + (c - 1) % block_size
+                                     for t, c in zip(tables, context, strict=True)]
     with torch.inference_mode():
         handoff = first.execute(step, None)
         assert isinstance(handoff, StageHandoff) and handoff.step is step

@@ -205,11 +205,8 @@ def _prefill_step(step_id: int, ids: list[int], first_block: int) -> StepInput:
                            output_index=[0], num_logprobs=[-1], presence_penalty=[0.0],
                            frequency_penalty=[0.0], repetition_penalty=[1.0],
                            prompt_tokens=[[]], output_tokens=[[]])
-    block_size = CacheConfig().block_size
-    return StepInput(step_id=step_id, input_ids=ids, positions=list(range(n)),
-                     query_start=[0, n], seq_lens=[n], seq_ids=[step_id],
-                     block_table_updates=[(step_id, 0, [first_block])],
-                     slot_mapping=[first_block * block_size + p for p in range(n)],
+    return StepInput(step_id=step_id, input_ids=ids, query_start=[0, n], seq_lens=[n],
+                     seq_ids=[step_id], block_table_updates=[(step_id, 0, [first_block])],
                      sample_rows=[n - 1], sampling=greedy)
 
 

@@ -270,6 +270,7 @@ def test_engine_sized_rounds_fill_the_round_time(ray_cluster, tiny_llama, prompt
     lengths follow the measured step time, within 1..num_decode_steps, and outputs stay
     those of single steps."""
     from raypp.config import ROUND_TARGET_S
+    from raypp.engine.rounds import RoundPolicy
 
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=1) as single:
@@ -277,7 +278,7 @@ def test_engine_sized_rounds_fill_the_round_time(ray_cluster, tiny_llama, prompt
     with LLM(str(tiny_llama), max_num_seqs=8, seed=3, num_decode_steps=16) as llm:
         engine = llm.engine
         engine.config.scheduler.adaptive_rounds = True  # what size_for sets on CUDA
-        engine.scheduler.round_steps = 1
+        engine.scheduler.rounds = rounds_policy = RoundPolicy(engine.config.scheduler)
         rounds: list[int] = []
         submit = engine.executor.submit
 
@@ -287,7 +288,7 @@ def test_engine_sized_rounds_fill_the_round_time(ray_cluster, tiny_llama, prompt
 
         engine.executor.submit = recording_submit
         assert _completions(llm.generate(_inputs(prompts[:4]), params, use_tqdm=False)) == expected
-    step_s = engine._round_step_s
+    step_s = rounds_policy.step_s
     assert step_s is not None and rounds[0] == 1  # rounds start at one step, then are sized
-    assert engine.scheduler.round_steps == max(1, min(16, int(ROUND_TARGET_S / step_s)))
+    assert rounds_policy.steps == max(1, min(16, int(ROUND_TARGET_S / step_s)))
     assert max(rounds) <= 16

@@ -52,9 +52,9 @@ class FakePipeline:
         for item, table in zip(batch.seqs, tables, strict=True):
             seq = item.seq
             extra = ahead[seq.seq_id] if ahead else []
-            assert len(extra) == batch.ahead
+            start = item.start
+            assert len(extra) == start - seq.num_computed_tokens  # sampled in flight before
             tokens = list(seq.all_token_ids) + extra
-            start = seq.num_computed_tokens + batch.ahead
             end = start + item.num_tokens
             out = []
             for _ in range(batch.num_steps):
@@ -93,7 +93,8 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
     """Run every request to its end; ``aborts``: (step, request index) pairs."""
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = _sized(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
-                             max_inflight=inflight, num_decode_steps=decode_steps)
+                    max_inflight=inflight, num_decode_steps=decode_steps,
+                    async_scheduling=rounds_ahead)
     sched = Scheduler(config, blocks, max_model_len=10_000)
     pipe = FakePipeline(blocks)
     # lean steps: the builder sends block-table changes, a stage's mirror resolves them
@@ -121,10 +122,8 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
                 seq.status = SequenceStatus.FINISHED
                 sched.finish(seq)
                 aborted.add(seq.seq_id)
-        while len(queue) < inflight:
-            batch = sched.schedule()
-            if batch is None:
-                break
+        while (batch := sched.schedule()) is not None:  # the scheduler keeps the count
+            assert len(queue) < inflight
             in_flight = [s.seq.seq_id for b, _ in queue for s in b.seqs]
             assert not set(in_flight) & {s.seq.seq_id for s in batch.seqs}, "seq in two batches"
             assert batch.num_steps == 1 or all(s.num_tokens == 1 for s in batch.seqs)
@@ -135,12 +134,12 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             assert pending or not sched.has_unfinished(), "nothing scheduled although work remains"
             continue
         batch, tokens = queue.popleft()
-        if rounds_ahead and not queue and not sched.can_admit():  # as LLMEngine does
-            nxt = sched.continue_batch(batch)
-            if nxt is not None:
-                by_seq = {s.seq.seq_id: row for s, row in zip(batch.seqs, tokens)}
-                queue.append((nxt, submit(nxt, by_seq)))
-                continuations += 1
+        nxt = sched.continue_batch(batch)  # as LLMEngine does: the scheduler decides
+        if nxt is not None:
+            assert rounds_ahead and not queue and not sched.can_admit()
+            by_seq = {s.seq.seq_id: row for s, row in zip(batch.seqs, tokens)}
+            queue.append((nxt, submit(nxt, by_seq)))
+            continuations += 1
         sched.complete(batch)
         for seq, row in zip([s.seq for s in batch.seqs if s.sample], tokens):
             if seq.status is not SequenceStatus.RUNNING:
@@ -303,17 +302,22 @@ def test_a_waiting_request_blocked_by_the_token_budget_is_not_held_back():
 
 def test_continue_batch_room_blocks_and_in_flight_counts():
     sched, first = _decoding(num_blocks=100, max_tokens=[100, 6])
-    assert first.num_steps == 4 and first.ahead == 0
+    assert first.num_steps == 4 and first.continues is None
+    assert [(s.start, s.seq.num_tokens_ahead) for s in first.seqs] == [(6, 4), (6, 4)]
     nxt = sched.continue_batch(first)
-    assert nxt is not None and nxt.ahead == 4
+    assert nxt is not None and nxt.continues is first
     # the second sequence has 1 + 4 of its 6 tokens once ``first`` ends: room for one more
     assert [s.seq.seq_id for s in nxt.seqs] == [0, 1] and nxt.num_steps == 4
-    assert all(s.seq.in_flight == 2 for s in nxt.seqs)
+    assert [s.start for s in nxt.seqs] == [10, 10]  # after first's four positions
+    assert all(s.seq.num_inflight_tokens == 8 and s.seq.num_tokens_ahead == 8
+               for s in nxt.seqs)
+    assert sched.num_inflight_batches == 2
     for item in nxt.seqs:  # blocks cover every position the continuation writes
         assert len(item.seq.block_table) * 4 >= item.seq.num_tokens + 4 + 4 - 1
     sched.complete(first)
-    assert all(s.seq.in_flight == 1 for s in nxt.seqs)
+    assert all(s.seq.num_inflight_tokens == 4 for s in nxt.seqs)
     assert [s.seq.num_computed_tokens for s in nxt.seqs] == [10, 10]
+    assert sched.num_inflight_batches == 1
 
     sched, first = _decoding(num_blocks=100, max_tokens=[5])
     assert sched.continue_batch(first) is None  # 1 + 4 tokens: nothing left to sample
@@ -327,7 +331,7 @@ def test_continue_batch_room_blocks_and_in_flight_counts():
     assert first.num_steps == 4
     assert sched.continue_batch(first) is None  # a continuation never preempts
     assert sched.num_preemptions == 0
-    assert first.seqs[0].seq.in_flight == 1
+    assert first.seqs[0].seq.num_inflight_tokens == 4
 
 
 def test_long_prompt_is_chunked():
@@ -430,7 +434,8 @@ def test_blocks_are_cached_only_once_computed():
     """A block's hash is registered when the step that filled it completes: a twin
     scheduled while it is in flight computes everything itself."""
     blocks = BlockManager(64, 4)
-    sched = Scheduler(_sized(max_num_seqs=4, max_num_batched_tokens=8), blocks, 1000)
+    sched = Scheduler(_sized(max_num_seqs=4, max_num_batched_tokens=8, max_inflight=2), blocks,
+                      1000)
     first = _admit(sched, _seq(0, range(9)))  # a chunk of 8: blocks 0 and 1
     assert blocks.num_cached == 0
     twin = _admit(sched, _seq(1, range(9)))  # scheduled while ``first`` is in flight
@@ -439,6 +444,7 @@ def test_blocks_are_cached_only_once_computed():
     assert blocks.num_cached == 2
     sched.complete(twin)  # the same content: the first computed copy stays the cached one
     assert blocks.num_cached == 2
+    sched.config.max_inflight = 1  # one batch: room for every running sequence in it
     third = _admit(sched, _seq(2, range(9)))
     assert third.seqs[-1].num_tokens == 1 and third.seqs[-1].seq.num_cached_tokens == 8
     assert third.seqs[-1].seq.block_table[:2] == first.seqs[0].seq.block_table[:2]
@@ -450,7 +456,7 @@ def test_failed_step_caches_nothing():
     batch = _admit(sched, _seq(0, range(12)))
     sched.complete(batch, ok=False)
     seq = batch.seqs[0].seq
-    assert seq.num_computed_tokens == 0 and seq.in_flight == 0
+    assert seq.num_computed_tokens == 0 and seq.num_inflight_tokens == 0
     seq.status = SequenceStatus.FINISHED
     sched.finish(seq)
     assert blocks.num_cached == 0 and blocks.num_free == 64

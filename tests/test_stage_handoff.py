@@ -39,18 +39,15 @@ def _greedy(n: int) -> SamplingBatch:
 
 
 def _prefill(prompts: list[list[int]]) -> StepInput:
-    ids, positions, slots, starts, tables = [], [], [0], [], []
+    ids, query_start, tables = [], [0], []
     for i, p in enumerate(prompts):
-        table = [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]
         ids += p
-        positions += range(len(p))
-        starts += [t * BLOCK + j for t in table for j in range(BLOCK)][: len(p)]
-        slots.append(len(ids))
-        tables.append(table)
+        query_start.append(len(ids))
+        tables.append([4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3])
     # sequences 0, 1, ...: new to every stage, so each step carries their whole tables
     seq_ids = list(range(len(prompts)))
-    return StepInput(0, ids, positions, slots, [len(p) for p in prompts], seq_ids, starts,
-                     [s - 1 for s in slots[1:]], _greedy(len(prompts)),
+    return StepInput(0, ids, query_start, [len(p) for p in prompts], seq_ids,
+                     [s - 1 for s in query_start[1:]], _greedy(len(prompts)),
                      block_table_updates=[(i, 0, t) for i, t in zip(seq_ids, tables)])
 
 
@@ -100,9 +97,9 @@ def test_one_handoff_through_every_consumer(tiny_llama):
         assert last.execute(step, moved).token_ids == want
     # 3. the decode-graph loader of a non-first stage copies both parts into its buffers
     mc = ModelConfig(str(tiny_llama))
-    decode = ResolvedStep(1, [7, 8], [6, 3], [0, 1, 2], [7, 4], [0, 1], [6, 4 * BLOCK + 3],
-                          [0, 1], _greedy(2),
-                          block_tables=[t for _, _, t in step.block_table_updates])
+    decode = ResolvedStep.of(StepInput(1, [7, 8], [0, 1, 2], [7, 4], [0, 1], [0, 1], _greedy(2)),
+                             [t for _, _, t in step.block_table_updates], BLOCK)
+    assert decode.slot_mapping == [6, 4 * BLOCK + 3]
     hidden, residual = torch.randn(2, mc.hidden_size), torch.randn(2, mc.hidden_size)
     graphs = DecodeGraphs(last.model, last.kv_caches, is_first=False, is_last=True,
                           max_num_seqs=4, max_blocks_per_seq=4, hidden_size=mc.hidden_size,

@@ -20,7 +20,7 @@ from raypp.engine.block_manager import BlockManager
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
 from raypp.engine.step_builder import StepBuilder
-from raypp.step import ResolvedStep, StepInput
+from raypp.step import ResolvedStep, StepInput, StepMode
 from raypp.worker.block_tables import BlockTableMirror
 
 BLOCK = 4
@@ -50,6 +50,10 @@ class Engine:
         if resolve:
             resolved = self.mirror.resolve(step)
             assert resolved.block_tables == [s.seq.block_table for s in batch.seqs]
+            # the stage derives each fed token's position and slot as the engine places it
+            fed = [(s.seq, p) for s in batch.seqs for p in range(s.start, s.start + s.num_tokens)]
+            assert resolved.positions == [p for _, p in fed]
+            assert resolved.slot_mapping == [self.blocks.slot(seq, p) for seq, p in fed]
         return step
 
     def step(self) -> tuple[MicroBatch, StepInput]:
@@ -147,9 +151,13 @@ def test_multi_step_and_continuation_rounds_carry_their_look_ahead_blocks():
     assert batch.num_steps == 4
     first = e.build(batch)
     nxt = e.sched.continue_batch(batch)  # submitted before `batch`'s result is read
-    assert nxt is not None and nxt.ahead == 4
+    assert nxt is not None and nxt.continues is batch
+    assert [i.start for i in nxt.seqs] == [i.start + 4 for i in batch.seqs]
     before = {s.seq_id: len(s.block_table) for s in seqs}
     cont = e.build(nxt)  # the stage checks its tables cover every look-ahead position
+    assert (first.mode, cont.mode) == (StepMode.DECODE_ROUND, StepMode.DECODE_ROUND)
+    assert (cont.continues, cont.continue_rows) == (first.step_id, [0, 1, 2])
+    assert cont.sampling.output_index == [i + 4 for i in first.sampling.output_index]
     for s in seqs:
         assert len(s.block_table) * BLOCK >= s.num_tokens + 4 + nxt.num_steps - 1
         if len(s.block_table) > before[s.seq_id]:

@@ -78,7 +78,7 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
     """Decode tokens/s through LLMEngine.step at each batch size and each of ``decode_steps``.
 
     One engine serves every run; ``num_decode_steps`` is switched between runs
-    (the scheduler reads it at each step). On the compiled-graph plane the result
+    (:func:`_set_rounds`). On the compiled-graph plane the result
     also holds the bf16 correctness tokens under ``"check"``, and at
     ``SYNC_AB_STEPS`` × ``SYNC_AB_BATCHES`` a ``*_sync`` run with asynchronous
     scheduling off.
@@ -100,22 +100,33 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
                 if run.left() < 20:
                     results[key] = "skipped: time"
                     continue
-                engine.config.scheduler.num_decode_steps = k
+                _set_rounds(engine, num_decode_steps=k)
                 prompts = random_prompts(batch, PROMPT_LEN, 100 + batch)
                 results[key] = engine_run(engine, prompts, params, f"{control_plane}{key}")
                 log(f"raypp engine ({control_plane}) {key}: {results[key]}")
                 if (control_plane == "cgraph" and k == SYNC_AB_STEPS and batch in SYNC_AB_BATCHES
                         and run.left() >= 20):
                     # A/B: each round submitted only after the previous one's result is read
-                    engine.config.scheduler.async_scheduling = False
+                    _set_rounds(engine, async_scheduling=False)
                     sync = engine_run(engine, prompts, params, f"{control_plane}{key}sync")
-                    engine.config.scheduler.async_scheduling = True
+                    _set_rounds(engine, async_scheduling=True)
                     results[f"{key}_sync"] = sync
                     log(f"raypp engine ({control_plane}) {key}_sync: {sync}")
         results["graphs"] = _graph_info(llm)
     finally:
         llm.shutdown()
     return results
+
+
+def _set_rounds(engine: Any, **settings: Any) -> None:
+    """Change the engine's scheduler settings between runs (no micro-batch in flight):
+    the round policy is rebuilt from them."""
+    from raypp.engine.rounds import RoundPolicy
+
+    config = engine.config.scheduler
+    for name, value in settings.items():
+        setattr(config, name, value)
+    engine.scheduler.rounds = RoundPolicy(config)
 
 
 def engine_run(engine: Any, prompts: list[list[int]], params: Any, tag: str) -> dict[str, Any]:

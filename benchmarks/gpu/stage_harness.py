@@ -69,7 +69,7 @@ class StageHarness:
         n = len(tokens)
         return self._step(tokens, list(lengths), list(range(n + 1)), [c + 1 for c in lengths],
                           tables, [self._slot(t, c) for t, c in zip(tables, lengths, strict=True)],
-                          list(range(n)), index, num_steps)
+                          list(range(n)), index, num_steps, decode=True)
 
     def decode(self, tokens: list[int], lengths: list[int], index: int, num_steps: int = 1
                ) -> tuple[list[int], list[int]]:
@@ -78,8 +78,11 @@ class StageHarness:
         return [t[-1] for t in out.token_ids], [c + num_steps for c in lengths]
 
     @staticmethod
-    def _step(ids, pos, qs, seq_lens, tables, slots, rows, index, num_steps=1) -> Any:
-        from raypp.step import ResolvedStep, SamplingBatch
+    def _step(ids, pos, qs, seq_lens, tables, slots, rows, index, num_steps=1,
+              decode=False) -> Any:
+        """``decode``: a decode round (as the engine's scheduler marks pure decode steps
+        of a one-stage pipeline), else a plain forward."""
+        from raypp.step import ResolvedStep, SamplingBatch, StepMode
 
         n = len(rows)
         sampling = SamplingBatch(
@@ -93,6 +96,7 @@ class StageHarness:
         return ResolvedStep(step_id=index, input_ids=ids, positions=pos, query_start=qs,
                             seq_lens=seq_lens, seq_ids=seq_ids, slot_mapping=slots,
                             sample_rows=rows, sampling=sampling, num_steps=num_steps,
+                            mode=StepMode.DECODE_ROUND if decode else StepMode.FORWARD,
                             block_table_updates=[(i, 0, t) for i, t in zip(seq_ids, tables)],
                             block_tables=tables)
 

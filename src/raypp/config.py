@@ -257,6 +257,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
     # set by size_for: the engine sizes decode rounds itself (num_decode_steps left None)
     adaptive_rounds: bool = field(default=False, init=False)
+    # set by size_for: a one-stage pipeline, whose stage can feed its sampled tokens back
+    # (decode rounds, raypp.engine.rounds)
+    device_loops: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps"):
@@ -271,8 +274,9 @@ class SchedulerConfig:
     def size_for(self, device: str, pipeline_parallel_size: int = 1) -> SchedulerConfig:
         """Give every limit left ``None`` its default for ``device`` ("cpu" or "cuda") and
         ``pipeline_parallel_size``; returns ``self``. Idempotent."""
+        self.device_loops = pipeline_parallel_size == 1
         if self.num_decode_steps is None:
-            self.adaptive_rounds = device == "cuda" and pipeline_parallel_size == 1
+            self.adaptive_rounds = device == "cuda" and self.device_loops
         for name, value in DEVICE_DEFAULTS[device].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -281,6 +285,13 @@ class SchedulerConfig:
         if self.max_inflight is None:
             self.max_inflight = pipeline_parallel_size
         return self
+
+    @property
+    def rounds_ahead(self) -> int:
+        """Decode rounds submitted ahead of a running one: 1 with ``async_scheduling`` on
+        a one-stage pipeline (whose stage holds the sampled tokens the next round feeds),
+        else 0."""
+        return int(self.async_scheduling and self.device_loops)
 
 
 # Scheduler limits left unset, per device: on CUDA like the best peers' (many sequences,
@@ -397,17 +408,10 @@ class EngineConfig:
                                pc.pipeline_parallel_size, pc.layer_partition)
 
     @property
-    def rounds_ahead(self) -> int:
-        """Decode rounds the engine submits ahead of a running one: 1 with
-        ``async_scheduling`` on a one-stage pipeline (whose stage holds the sampled
-        tokens the next round feeds), else 0."""
-        sc = self.scheduler
-        return int(sc.async_scheduling and self.parallel.pipeline_parallel_size == 1)
-
-    @property
     def executor_depth(self) -> int:
-        """Steps an executor must accept at once: ``max_inflight`` plus ``rounds_ahead``."""
-        return self.scheduler.max_inflight + self.rounds_ahead
+        """Steps an executor must accept at once: ``max_inflight`` plus the scheduler's
+        ``rounds_ahead``."""
+        return self.scheduler.max_inflight + self.scheduler.rounds_ahead
 
 
 def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:

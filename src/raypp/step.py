@@ -1,14 +1,26 @@
 """The wire contract between the engine and the stages, and between stages.
 
-A :class:`StepInput` is the compact descriptor of one micro-batch: flat token
-ids and positions, where those tokens go in the paged cache, and how to sample
-the rows that end a sequence's query. It holds plain Python lists, so it pickles
-small and never aliases a channel buffer. The last stage answers with a
-:class:`StepOutput` of sampled ids (and logprobs when asked), again plain lists.
-A pure decode micro-batch may ask for several decode steps at once (``num_steps``),
-and a decode round may continue the previous round of the same sequences
-(``continues``): its input ids are then that round's last sampled tokens, which
-the stage still holds on the device, so the engine can submit it before they return.
+A :class:`StepInput` is the compact descriptor of one micro-batch: flat token ids,
+each row's sequence id and context length, and how to sample the rows that end a
+sequence's query. It holds plain Python lists, so it pickles small and never aliases
+a channel buffer. The last stage answers with a :class:`StepOutput` of sampled ids
+(and logprobs when asked), again plain lists.
+
+Positions and cache slots do not travel: row ``r`` feeds the last ``q`` tokens of its
+context (``q`` from ``query_start``, the context length ``seq_lens[r]``), so its
+positions are ``seq_lens[r] - q .. seq_lens[r] - 1`` and its slots follow from its
+block table. Each stage derives both when it resolves the step (below).
+
+How a stage runs a step is said by one explicit field, ``mode`` (:class:`StepMode`),
+decided by the engine's scheduler (:mod:`raypp.engine.rounds`); no stage re-derives it:
+
+- ``FORWARD``: one forward pass; the last stage samples the rows in ``sample_rows``.
+- ``DECODE_ROUND`` (a one-stage pipeline only): every row feeds one token and samples
+  the next, ``num_steps`` times back to back, each sampled token fed back as the next
+  input on the device; the last step's tokens stay on the device. A round that
+  ``continues`` the one before it takes its input ids from those tokens (row ``r``
+  from that round's row ``continue_rows[r]``), so the engine can submit it before the
+  earlier round's result returns (asynchronous scheduling).
 
 Block tables travel as changes, not whole per step. Every stage (every TP rank of
 it) keeps a mirror of each running sequence's block table, keyed by the engine's
@@ -20,9 +32,9 @@ each, after which that sequence's table is ``table[:start] + entries`` (``start`
 a new table; else ``start`` is the table's length, and it grows). Drops apply before
 updates, so a step may drop a sequence's old table and start its new one. A decode
 step whose tables did not grow carries no entries at all. A stage resolves the step
-against its mirror into a :class:`ResolvedStep` (with each row's whole table) that
-only it sees; what it passes on is the step as it came
-(:mod:`raypp.worker.block_tables`; the engine side is
+against its mirror into a :class:`ResolvedStep` (with each row's whole table, its
+positions and cache slots) that only it sees; what it passes on is the step as it
+came (:mod:`raypp.worker.block_tables`; the engine side is
 :class:`~raypp.engine.step_builder.StepBuilder`).
 
 The token history that penalties need travels the same way, to the last stage only:
@@ -35,11 +47,19 @@ histories too (:mod:`raypp.worker.penalty_history`).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+class StepMode(enum.Enum):
+    """How a stage runs a step (module docstring)."""
+
+    FORWARD = "forward"
+    DECODE_ROUND = "decode_round"
 
 
 @dataclass
@@ -80,11 +100,9 @@ class StepInput:
 
     step_id: int
     input_ids: list[int]
-    positions: list[int]
     query_start: list[int]  # [num_seqs + 1]
-    seq_lens: list[int]  # tokens in context after this step, per sequence
+    seq_lens: list[int]  # tokens in context after this step('s first decode step), per row
     seq_ids: list[int]  # the engine's sequence id of each row: keys the stages' block tables
-    slot_mapping: list[int]
     sample_rows: list[int]  # flat token indices whose next token is sampled
     sampling: SamplingBatch | None
     # what changed in the stages' block tables (module docstring): drops, then updates
@@ -94,11 +112,11 @@ class StepInput:
     # or None, start, output tokens from index start on)
     penalty_history_updates: list[tuple[int, list[int] | None, int, list[int]]] = field(
         default_factory=list)
-    # decode steps to run back to back (> 1 only for pure decode on a one-stage pipeline):
-    # the stage feeds each sampled token back as the next input on the device
+    mode: StepMode = StepMode.FORWARD
+    # DECODE_ROUND only: decode steps to run back to back
     num_steps: int = 1
-    # step id of the decode round this one continues (one-stage pipeline): input id r is
-    # that round's last sampled token of its row continue_rows[r] (input_ids are placeholders)
+    # DECODE_ROUND only: step id of the round this one continues; input id r is that
+    # round's last sampled token of its row continue_rows[r] (input_ids are placeholders)
     continues: int | None = None
     continue_rows: list[int] = field(default_factory=list)
     # test-only tracing: stages record compute intervals when set
@@ -115,15 +133,36 @@ class StepInput:
 
 @dataclass(kw_only=True)
 class ResolvedStep(StepInput):
-    """A :class:`StepInput` as one stage runs it: with each row's whole block table,
+    """A :class:`StepInput` as one stage runs it: with each row's whole block table, and
+    each token's position and cache slot (of the first decode step, for a round),
     resolved from the stage's mirror (:mod:`raypp.worker.block_tables`). Never sent:
     a stage passes the step it received on, not this."""
 
     block_tables: list[list[int]]  # per row; read them, never change them
+    positions: list[int]  # per token
+    slot_mapping: list[int]  # per token: block * block_size + offset
 
     @classmethod
-    def of(cls, step: StepInput, block_tables: list[list[int]]) -> ResolvedStep:
-        return cls(**{**vars(step), "block_tables": block_tables})
+    def of(cls, step: StepInput, block_tables: list[list[int]], block_size: int
+           ) -> ResolvedStep:
+        """``step`` with ``block_tables`` (one per row) and the positions and slots they
+        give its tokens."""
+        if len(step.input_ids) == len(step.seq_lens):  # one token per row: a decode step
+            positions = [end - 1 for end in step.seq_lens]
+            slots = [table[p // block_size] * block_size + p % block_size
+                     for table, p in zip(block_tables, positions)]
+        else:
+            positions, slots = [], []
+            qs = step.query_start
+            for r, (table, end) in enumerate(zip(block_tables, step.seq_lens)):
+                start = end - (qs[r + 1] - qs[r])
+                positions.extend(range(start, end))
+                for b in range(start // block_size, (end - 1) // block_size + 1):
+                    base = b * block_size  # the block's first position
+                    slot0 = table[b] * block_size - base
+                    slots.extend(range(slot0 + max(start, base), slot0 + min(end, base + block_size)))
+        return cls(**vars(step), block_tables=block_tables, positions=positions,
+                   slot_mapping=slots)
 
 
 @dataclass

@@ -1,11 +1,14 @@
 """LLMEngine: add and abort requests, step the pipeline, recover from stage failures.
 
-A step reads top-down: fill free pipeline slots with micro-batches from the
-scheduler (:class:`~raypp.engine.scheduler.Scheduler`, descriptors built by
-:class:`~raypp.engine.step_builder.StepBuilder`), wait for the oldest micro-batch's
-sampled tokens, append them and apply the stop rules
+A step reads top-down: submit every micro-batch the scheduler forms
+(:class:`~raypp.engine.scheduler.Scheduler`: it decides how many are in flight, and
+which are decode rounds of how many steps; descriptors built by
+:class:`~raypp.engine.step_builder.StepBuilder`), submit the oldest one's next round
+if the scheduler continues it (asynchronous scheduling), wait for the oldest
+micro-batch's sampled tokens, append them and apply the stop rules
 (:class:`~raypp.engine.output_processor.OutputProcessor`), refill the freed slot at
-once, and detokenize and build outputs while that next micro-batch runs.
+once, and detokenize and build outputs while that next micro-batch runs. The engine
+submits and collects; it sizes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from raypp.config import ROUND_TARGET_S, EngineConfig
+from raypp.config import EngineConfig
 from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.output_processor import OutputProcessor, request_output
@@ -85,8 +88,6 @@ class LLMEngine:
         self._inflight: deque[_InFlight] = deque()
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.model.seed)
-        self._round_step_s: float | None = None  # decode step time, averaged (adaptive rounds)
-        self._last_result_at = 0.0
         self.stats = EngineStats()
         # Start-up objects (tokenizer, Ray, torch) live for the whole run: keep them out
         # of the cyclic GC's full passes, which otherwise cost milliseconds per step.
@@ -213,7 +214,7 @@ class LLMEngine:
             return []
         item = self._inflight.popleft()
         try:
-            self._submit_next_round(item)
+            self._continue_round(item)
         except (StageDiedError, StepTimeoutError) as e:
             self._inflight.appendleft(item)
             return self._on_executor_failure(e)
@@ -227,7 +228,6 @@ class LLMEngine:
             self._inflight.appendleft(item)
             return self._on_executor_failure(e)
         got = time.perf_counter()
-        self._size_rounds(item.step, got)
         seqs, text_pending = self.output_processor.append_results(item.batch, result)
         failure = None
         try:  # the next micro-batch runs while this one's text is decoded
@@ -246,54 +246,30 @@ class LLMEngine:
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
         return outputs
 
-    def _size_rounds(self, step: StepInput, got: float) -> None:
-        """With engine-sized decode rounds, let the next rounds take as many steps as
-        fill about ``ROUND_TARGET_S`` at the decode step time measured so far: the time
-        between two results of chained rounds (the stage started this round as the
-        previous one ended) over this round's steps."""
-        since, self._last_result_at = self._last_result_at, got
-        if not self.config.scheduler.adaptive_rounds or step.continues is None:
-            return
-        per_step = (got - since) / step.num_steps
-        average = self._round_step_s
-        self._round_step_s = per_step if average is None else 0.7 * average + 0.3 * per_step
-        steps = int(ROUND_TARGET_S / max(self._round_step_s, 1e-6))
-        self.scheduler.round_steps = max(1, min(self.config.scheduler.num_decode_steps, steps))
-
     def _fill_pipeline(self) -> None:
-        while len(self._inflight) < self.config.scheduler.max_inflight:
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return
-            step = self.step_builder.build(batch)
-            self._inflight.append(_InFlight(batch, step, self._submit(step)))
+        while (batch := self.scheduler.schedule()) is not None:
+            self._launch(batch)
 
-    def _submit_next_round(self, item: _InFlight) -> None:
+    def _continue_round(self, item: _InFlight) -> None:
         """Asynchronous scheduling: submit the next decode round of ``item`` (just taken
-        from the pipeline, its result not yet read) so the stage starts it as soon as
-        ``item`` ends, one step or several. Only when ``item`` loops on the device (the
-        scheduler checks), nothing else is in flight, and no waiting request could join
-        a freshly scheduled batch instead."""
-        step = item.step
-        if not self.config.rounds_ahead or self._inflight or self.scheduler.can_admit():
-            return
+        from the pipeline, its result not yet read) if the scheduler continues it, so the
+        stage starts it as soon as ``item`` ends."""
         batch = self.scheduler.continue_batch(item.batch)
-        if batch is None:
-            return
-        rows = {id(s.seq): r for r, s in enumerate(item.batch.seqs)}
-        nxt = self.step_builder.build(batch)
-        nxt.continues = step.step_id
-        nxt.continue_rows = [rows[id(s.seq)] for s in batch.seqs]
-        # if submitting fails, the caller's failure path requeues every running sequence
-        self._inflight.append(_InFlight(batch, nxt, self._submit(nxt)))
-        self.stats.rounds_ahead += 1
+        if batch is not None:
+            # if submitting fails, the caller's failure path requeues every running sequence
+            self._launch(batch)
+            self.stats.rounds_ahead += 1
 
-    def _submit(self, step: StepInput) -> Any:
+    def _launch(self, batch: MicroBatch) -> None:
+        """Build and submit ``batch``; if submitting fails, it is completed as failed."""
+        step = self.step_builder.build(batch)
         try:
-            return self.executor.submit(step)
+            handle = self.executor.submit(step)
         except BaseException:
             self.step_builder.forget(step)  # it may have reached no stage
+            self.scheduler.complete(batch, ok=False)
             raise
+        self._inflight.append(_InFlight(batch, step, handle))
 
     # -- failures --------------------------------------------------------------------------
     def _fail_batch(self, batch: MicroBatch, message: str, kind: ErrorKind

@@ -1,18 +1,20 @@
 """Continuous batching: forms one micro-batch per free pipeline slot.
 
-FCFS. Each call to :meth:`Scheduler.schedule` picks sequences that are not
-already in flight: running sequences first (one decode token, or the next chunk
-of a long prompt), then waiting ones while the token, sequence and block budgets
-allow. A waiting sequence starts with the longest run of its leading blocks the
-prefix cache holds and computes from the first token after them (always at least
-its last token). When blocks run out a running sequence is preempted by
-recompute (its blocks are freed, the computed ones staying cached, and it
-re-enters the waiting queue at the front; its output so far is kept, so the
-result is identical to an unpreempted run). Cached blocks nobody uses count as
-free: taking one evicts it. A sequence is never in two micro-batches at once,
-except that :meth:`Scheduler.continue_batch` may put a decode batch's sequences
-into their next round while the current one runs (asynchronous scheduling);
-results are completed in submission order.
+FCFS. Each call to :meth:`Scheduler.schedule` forms a micro-batch while fewer than
+``max_inflight`` are in flight, from sequences that are not already in flight: running
+sequences first (one decode token, or the next chunk of a long prompt), then waiting
+ones while the token, sequence and block budgets allow. A waiting sequence starts with
+the longest run of its leading blocks the prefix cache holds and computes from the
+first token after them (always at least its last token). When blocks run out a running
+sequence is preempted by recompute (its blocks are freed, the computed ones staying
+cached, and it re-enters the waiting queue at the front; its output so far is kept, so
+the result is identical to an unpreempted run). Cached blocks nobody uses count as
+free: taking one evicts it. A sequence is never in two micro-batches at once, except
+that :meth:`Scheduler.continue_batch` may put a decode round's sequences into their
+next round while the current one runs (asynchronous scheduling); results are completed
+in submission order. Which micro-batches are decode rounds, of how many steps, and
+when one is continued is :mod:`raypp.engine.rounds`'s policy, applied here; what each
+sequence has in flight is its ``num_inflight_tokens``.
 """
 
 from __future__ import annotations
@@ -22,27 +24,34 @@ from dataclasses import dataclass
 
 from raypp.config import SchedulerConfig
 from raypp.engine.block_manager import BlockManager
+from raypp.engine.rounds import RoundPolicy
 from raypp.engine.sequence import Sequence, SequenceStatus
+from raypp.step import StepMode
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    start: int  # position of the first token fed (seq.next_position when scheduled)
+    num_tokens: int  # tokens fed (per step of a decode round: 1)
     sample: bool  # this chunk reaches the end: a token is sampled
 
 
 @dataclass
 class MicroBatch:
     seqs: list[ScheduledSeq]
-    # decode steps run back to back (> 1 only when every sequence is decoding)
-    num_steps: int = 1
-    # tokens each sequence samples in the round this one continues (0: not a continuation)
-    ahead: int = 0
+    num_steps: int = 1  # decode steps back to back (> 1 only for a DECODE_ROUND)
+    mode: StepMode = StepMode.FORWARD  # how the stages run it (raypp.engine.rounds)
+    continues: MicroBatch | None = None  # the round whose last sampled tokens this feeds
+    step_id: int | None = None  # set when built (StepBuilder)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    def span(self, item: ScheduledSeq) -> int:
+        """Positions ``item`` feeds over the whole micro-batch (all its steps)."""
+        return item.num_tokens + self.num_steps - 1
 
 
 class Scheduler:
@@ -51,9 +60,8 @@ class Scheduler:
                     config.num_decode_steps):
             raise ValueError("the scheduler's limits are unset: SchedulerConfig.size_for(device)")
         self.config = config
-        # the most decode steps a round may take now: num_decode_steps, or fewer while the
-        # engine sizes rounds by time (SchedulerConfig.adaptive_rounds)
-        self.round_steps = 1 if config.adaptive_rounds else config.num_decode_steps
+        self.rounds = RoundPolicy(config)
+        self.num_inflight_batches = 0  # scheduled, not yet completed
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -90,8 +98,11 @@ class Scheduler:
 
     # -- forming a micro-batch -------------------------------------------------------------
     def schedule(self) -> MicroBatch | None:
-        """The next micro-batch of sequences not in flight, or ``None`` if none can run."""
+        """The next micro-batch of sequences not in flight, or ``None`` if none can run
+        or ``max_inflight`` micro-batches are in flight."""
         slots = self.config.max_inflight
+        if self.num_inflight_batches >= slots:
+            return None
         active = min(self.num_active, self.config.max_num_seqs)
         seq_cap = max(1, -(-active // slots))  # spread sequences evenly over the slots
         token_budget = self.config.max_num_batched_tokens
@@ -107,7 +118,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # preempted itself
                 break
-            chosen.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            chosen.append(self._item(seq, n))
             token_budget -= n
 
         while self.waiting and len(chosen) < seq_cap and token_budget > 0:
@@ -128,43 +139,53 @@ class Scheduler:
                     self.prefix_cache_hits += start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chosen.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            chosen.append(self._item(seq, n))
             token_budget -= n
 
         if not chosen:
             return None
-        for item in chosen:
-            item.seq.in_flight += 1
-        steps = 1
-        # several decode steps per round only while no waiting request could join a batch:
-        # a round of K steps would hold its prefill back for K steps
-        if (self.round_steps > 1 and not self.can_admit()
-                and all(_loops_on_device(item) for item in chosen)):
-            steps = self._decode_horizon([item.seq for item in chosen], ahead=0)
-        return MicroBatch(chosen, steps)
+        mode, steps = self.rounds.mode(chosen), 1
+        limit = self.rounds.max_steps(self.can_admit())
+        if mode is StepMode.DECODE_ROUND and limit > 1:
+            steps = self._decode_horizon([item.seq for item in chosen], limit)
+        return self._launch(MicroBatch(chosen, steps, mode))
 
     def continue_batch(self, batch: MicroBatch) -> MicroBatch | None:
-        """The next round of decode ``batch`` while it is still in flight, or ``None``.
+        """The next round of decode round ``batch`` while it is still in flight, or
+        ``None``.
 
         Its sequences are those of ``batch`` still running that have room for a
-        token after ``batch``'s; each feeds the last token ``batch`` samples (the
-        stage takes it on the device). ``None`` if ``batch`` is not a device-side
-        decode round, none of its sequences qualifies, or cache blocks for even one
-        step are short (a continuation never preempts).
+        token after the ones they sample in flight; each feeds the last token
+        ``batch`` samples (the stage takes it on the device). ``None`` if the round
+        policy allows no continuation now (:meth:`RoundPolicy.may_continue`), none of
+        its sequences qualifies, or cache blocks for even one step are short (a
+        continuation never preempts).
         """
-        if not all(_loops_on_device(item) for item in batch.seqs):
+        if not self.rounds.may_continue(batch, self.num_inflight_batches, self.can_admit()):
             return None
-        ahead = batch.num_steps
         seqs = [item.seq for item in batch.seqs
-                if item.seq.status is SequenceStatus.RUNNING and self.room(item.seq, ahead) > 0]
+                if item.seq.status is SequenceStatus.RUNNING
+                and self.room(item.seq, item.seq.num_tokens_ahead) > 0]
         if not seqs:
             return None
-        steps = self._decode_horizon(seqs, ahead)
+        steps = self._decode_horizon(seqs, self.rounds.max_steps(can_admit=False))
         if steps == 0:
             return None
-        for seq in seqs:
-            seq.in_flight += 1
-        return MicroBatch([ScheduledSeq(seq, 1, True) for seq in seqs], steps, ahead)
+        items = [ScheduledSeq(seq, seq.next_position, 1, True) for seq in seqs]
+        return self._launch(MicroBatch(items, steps, StepMode.DECODE_ROUND, continues=batch))
+
+    @staticmethod
+    def _item(seq: Sequence, n: int) -> ScheduledSeq:
+        """``seq`` feeding its next ``n`` tokens (it is not in flight)."""
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, n, start + n == seq.num_tokens)
+
+    def _launch(self, batch: MicroBatch) -> MicroBatch:
+        """Count ``batch`` in flight, and each sequence's positions it feeds."""
+        self.num_inflight_batches += 1
+        for item in batch.seqs:
+            item.seq.num_inflight_tokens += batch.span(item)
+        return batch
 
     def room(self, seq: Sequence, ahead: int = 0) -> int:
         """Tokens ``seq`` may still sample before its length limit (``max_tokens`` or
@@ -174,29 +195,28 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - ahead)
         return room
 
-    def _decode_horizon(self, seqs: list[Sequence], ahead: int) -> int:
-        """Decode steps ``seqs`` may run in one go, with cache blocks reserved for all.
+    def _decode_horizon(self, seqs: list[Sequence], limit: int) -> int:
+        """Decode steps (at most ``limit``) ``seqs`` may run in one round from their
+        next positions, with cache blocks reserved for all.
 
-        ``ahead``: tokens each sequence samples in flight before this round. No
-        more steps than any sequence could use, none past ``max_model_len``, and
-        fewer when free blocks run short (no preemption for look-ahead); 0 when
-        not even one step's blocks are free (only possible with ``ahead``).
+        No more steps than any sequence could use, none past ``max_model_len``, and
+        fewer when free blocks run short (no preemption for look-ahead); 0 when not
+        even one step's blocks are free (only possible for a continuation).
         """
-        limit = self.round_steps
-        wanted = max(self.room(s, ahead) if s.params.max_tokens is not None else limit
-                     for s in seqs)
-        room = min(self.max_model_len - s.num_tokens - ahead for s in seqs)
+        wanted = max(self.room(s, s.num_tokens_ahead) if s.params.max_tokens is not None
+                     else limit for s in seqs)
+        room = min(self.max_model_len - s.num_tokens - s.num_tokens_ahead for s in seqs)
         steps = max(1, min(limit, wanted, room))
 
         def needed(n: int) -> int:
-            return sum(self.blocks.blocks_needed(s, s.num_tokens + ahead + n - 1) for s in seqs)
+            return sum(self.blocks.blocks_needed(s, s.next_position + n) for s in seqs)
 
         while steps > 1 and needed(steps) > self.blocks.num_free:
             steps -= 1
         if needed(steps) > self.blocks.num_free:
             return 0
         for seq in seqs:
-            self.blocks.allocate(seq, seq.num_tokens + ahead + steps - 1)
+            self.blocks.allocate(seq, seq.next_position + steps)
         return steps
 
     @staticmethod
@@ -234,7 +254,7 @@ class Scheduler:
         """Send a running sequence back to the front of the queue; it will recompute."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.in_flight = 0
+        seq.num_inflight_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -242,24 +262,22 @@ class Scheduler:
     def complete(self, batch: MicroBatch, ok: bool = True) -> None:
         """Mark a micro-batch's tokens as computed (before appending sampled tokens)
         and offer the blocks this fills to the prefix cache; ``ok=False``: the step
-        failed, nothing it fed counts as computed.
+        failed (or was never submitted), nothing it fed counts as computed. Every
+        micro-batch scheduled here must be completed, once, in submission order.
 
         After ``k`` decode steps a sequence's input token and the first ``k - 1``
         sampled ones are in the cache; the last sampled one is not.
         """
+        self.num_inflight_batches = max(0, self.num_inflight_batches - 1)
+        if ok:
+            self.rounds.observe(batch)
         block_size = self.blocks.block_size
         caching = self.blocks.enable_caching
         for item in batch.seqs:
-            seq = item.seq
-            seq.in_flight = max(0, seq.in_flight - 1)
+            seq, span = item.seq, batch.span(item)
+            seq.num_inflight_tokens = max(0, seq.num_inflight_tokens - span)
             if ok and seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += item.num_tokens + batch.num_steps - 1
+                seq.num_computed_tokens += span
                 # most decode steps fill no block: skip the call (this runs per row per step)
                 if caching and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
                     self.blocks.register(seq)
-
-
-def _loops_on_device(item: ScheduledSeq) -> bool:
-    """True if ``item`` can decode on the device across steps: it feeds exactly its
-    last token and samples without penalties (those need the tokens on the host)."""
-    return item.num_tokens == 1 and item.sample and not item.seq.params.uses_penalties

@@ -22,7 +22,10 @@ class Sequence:
     """One completion being generated.
 
     Invariant: the KV of ``all_token_ids[:num_computed_tokens]`` is in the cache
-    blocks listed by ``block_table``; the next step feeds the tokens after that.
+    blocks listed by ``block_table``. ``num_inflight_tokens`` more positions are fed to
+    micro-batches in flight (their KV is being written; a decode round of K steps
+    feeds K: its input token and the K - 1 it samples and feeds back), so the next
+    micro-batch feeds from position ``num_computed_tokens + num_inflight_tokens``.
     Prefix caching: ``block_hashes`` are the content hashes of the full blocks hashed
     so far (:mod:`raypp.engine.block_hash`); the first ``num_registered_blocks`` of
     ``block_table`` were offered to the cache (computed, full);
@@ -48,7 +51,7 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
-    in_flight: int = 0  # micro-batches in flight that hold this sequence
+    num_inflight_tokens: int = 0  # positions fed to micro-batches in flight (docstring)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
@@ -78,6 +81,23 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a micro-batch in flight feeds this sequence."""
+        return self.num_inflight_tokens > 0
+
+    @property
+    def next_position(self) -> int:
+        """The position the next micro-batch of this sequence feeds first."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens this sequence samples in flight, not yet appended: the micro-batches in
+        flight feed up to ``next_position``; each fed position from its last token on
+        samples one."""
+        return max(0, self.next_position + 1 - self.num_tokens)
 
     @property
     def finished(self) -> bool:

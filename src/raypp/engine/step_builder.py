@@ -1,9 +1,11 @@
 """Turns a scheduled micro-batch into the step descriptor the stages run.
 
-The descriptor (:class:`~raypp.step.StepInput`) is flat plain lists: token ids and
-positions, each token's cache slot, each sequence's id and context length, what
-changed in the stages' block tables since the steps before, and the sampling
-settings of the rows that end a sequence's query.
+The descriptor (:class:`~raypp.step.StepInput`) is flat plain lists: token ids, each
+sequence's id and context length, what changed in the stages' block tables since
+the steps before, and the sampling settings of the rows that end a sequence's query;
+how the stages run it (``mode``, ``num_steps``, the round it ``continues``) is the
+scheduler's decision, copied as it is. Stages derive positions and cache slots from
+the context lengths and their block tables.
 
 The builder remembers, per sequence, which table the stages hold: its epoch (see
 :class:`~raypp.engine.sequence.Sequence`) and length as last sent. Steps are built
@@ -37,22 +39,21 @@ class StepBuilder:
         self._history: dict[int, int] = {}
 
     def build(self, batch: MicroBatch) -> StepInput:
-        ids, positions, slots, query_start, seq_lens, seq_ids, rows = [], [], [], [0], [], [], []
-        sampled: list[Sequence] = []
-        blocks = self.scheduler.blocks
+        """The step of ``batch`` (which gets its ``step_id``)."""
+        ids, query_start, seq_lens, seq_ids, rows = [], [0], [], [], []
+        sampled: list[tuple[Sequence, int]] = []  # (sequence, output index sampled)
         drops = self._drain_drops()
         updates = []
         histories: list[tuple[int, list[int] | None, int, list[int]]] = []
         held = self._held
+        continued = batch.continues
         for item in batch.seqs:
-            seq, start = item.seq, item.seq.num_computed_tokens + batch.ahead
+            seq, start = item.seq, item.start
             end = start + item.num_tokens
-            if batch.ahead:  # the stage feeds the previous round's last tokens
+            if continued is not None:  # the stage feeds the previous round's last tokens
                 ids.append(0)
             else:
                 ids.extend(seq.token_ids(start, end))
-            positions.extend(range(start, end))
-            slots.extend(blocks.slot(seq, p) for p in range(start, end))
             query_start.append(len(ids))
             seq_lens.append(end)
             seq_id, table = seq.seq_id, seq.block_table
@@ -66,23 +67,29 @@ class StepBuilder:
                 held[seq_id] = (seq.block_epoch, len(table))
             if item.sample:
                 rows.append(len(ids) - 1)
-                sampled.append(seq)
+                sampled.append((seq, end - len(seq.prompt_token_ids)))
                 if seq.params.uses_penalties:
                     self._add_history(seq, histories)
+        continue_rows = []
+        if continued is not None:
+            row_of = {item.seq.seq_id: r for r, item in enumerate(continued.seqs)}
+            continue_rows = [row_of[item.seq.seq_id] for item in batch.seqs]
+        batch.step_id = next(self._step_ids)
         return StepInput(
-            step_id=next(self._step_ids),
+            step_id=batch.step_id,
             input_ids=ids,
-            positions=positions,
             query_start=query_start,
             seq_lens=seq_lens,
             seq_ids=seq_ids,
-            slot_mapping=slots,
             sample_rows=rows,
-            sampling=sampling_batch(sampled, batch.ahead) if sampled else None,
+            sampling=sampling_batch(sampled) if sampled else None,
             block_table_updates=updates,
             finished_seq_ids=drops,
             penalty_history_updates=histories,
+            mode=batch.mode,
             num_steps=batch.num_steps,
+            continues=None if continued is None else continued.step_id,
+            continue_rows=continue_rows,
             trace=self.trace,
         )
 
@@ -132,8 +139,10 @@ class StepBuilder:
         return len(self._held)
 
 
-def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
-    """The rows' sampling settings; ``ahead``: tokens each samples in flight before these."""
+def sampling_batch(rows: list[tuple[Sequence, int]]) -> SamplingBatch:
+    """The sampling settings of rows ``(sequence, index in its output of the token
+    sampled first)``."""
+    seqs = [seq for seq, _ in rows]
     params = [s.params for s in seqs]
     return SamplingBatch(
         temperature=[p.temperature for p in params],
@@ -141,7 +150,7 @@ def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
         top_k=[p.top_k for p in params],
         min_p=[p.min_p for p in params],
         seeds=[s.seed for s in seqs],
-        output_index=[len(s.output_token_ids) + ahead for s in seqs],
+        output_index=[index for _, index in rows],
         num_logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],

@@ -2,11 +2,11 @@
 
 Steps carry block tables as changes (the wire contract in :mod:`raypp.step`); each
 stage worker keeps every running sequence's table here and resolves each step, in
-submission order, into a :class:`~raypp.step.ResolvedStep` whose rows have their
-whole tables. A step that names a sequence the mirror holds no table for, grows a
-table from the wrong length, or leaves a row's table too short for its tokens is
-refused with a ``ValueError`` naming the step and the sequence: the stage never
-guesses a table.
+submission order, into a :class:`~raypp.step.ResolvedStep` whose rows have their whole
+tables (and its tokens their positions and cache slots). A step that names a sequence
+the mirror holds no table for, grows a table from the wrong length, or leaves a row's
+table too short for its tokens is refused with a ``ValueError`` naming the step and
+the sequence: the stage never guesses a table.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class BlockTableMirror:
         return list(self._tables[seq_id])
 
     def resolve(self, step: StepInput) -> ResolvedStep:
-        """Apply ``step``'s drops, then its updates, and return it with each row's table.
+        """Apply ``step``'s drops, then its updates, and return it with each row's table
+        and each token's position and slot.
 
         The rows' tables are this mirror's own lists (no copy): valid until the next
         step is resolved, and only to be read.
@@ -69,4 +70,4 @@ class BlockTableMirror:
         if len(rows) != len(step.seq_lens):
             raise ValueError(f"step {step.step_id}: {len(step.seq_ids)} sequence ids for "
                              f"{len(step.seq_lens)} rows")
-        return ResolvedStep.of(step, rows)
+        return ResolvedStep.of(step, rows, block_size)

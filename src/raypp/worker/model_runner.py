@@ -1,10 +1,11 @@
 """One stage's per-step compute: prepare inputs → eager or graph forward → (last stage)
-logits → sample, and multi-step decode rounds.
+logits → sample, and decode rounds.
 
 :meth:`ModelRunner.execute` is the whole of a step on a stage; it does not know which
 control plane drives it. It first resolves the step's block-table changes against
 this stage's mirror (:mod:`raypp.worker.block_tables`); everything after runs on the
-resolved step. A stage that is not last returns a :class:`~raypp.step.StageHandoff`
+resolved step, the way its ``mode`` says (:class:`~raypp.step.StepMode`: the
+scheduler decided it; the stage follows). A stage that is not last returns a :class:`~raypp.step.StageHandoff`
 of the step as it came (lean); the last stage returns a
 :class:`~raypp.step.StepOutput` of plain lists.
 """
@@ -17,7 +18,7 @@ import torch
 
 from raypp.model.attention import AttentionMetadata
 from raypp.model.base import StageModel
-from raypp.step import ResolvedStep, StageHandoff, StepInput, StepOutput
+from raypp.step import ResolvedStep, StageHandoff, StepInput, StepMode, StepOutput
 from raypp.worker.block_tables import BlockTableMirror
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
@@ -51,13 +52,17 @@ class ModelRunner:
         """Run ``step`` (``handoff``: the previous stage's, ``None`` on the first stage)."""
         previous, self._last_round = self._last_round, None  # only the next step may continue it
         resolved = self.block_tables.resolve(step)  # first: every step updates the mirror
-        if not self.model.stage.is_last:
+        stage = self.model.stage
+        if stage.is_last:  # every step updates the history mirror too
+            resolved.sampling = self.penalty_history.resolve(step)
+        if step.mode is StepMode.DECODE_ROUND:
+            if not (stage.is_first and stage.is_last):
+                raise ValueError(f"step {step.step_id} is a decode round, which only a "
+                                 "one-stage pipeline runs")
+            return self._decode_round(resolved, previous)
+        if not stage.is_last:
             hidden, residual = self._forward(resolved, handoff)
             return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
-        resolved.sampling = self.penalty_history.resolve(step)
-        if (step.num_steps > 1 or step.continues is not None
-                or (self.model.stage.is_first and loops_on_device(step))):
-            return self._decode_steps(resolved, previous)
         return self._sample(resolved, self._logits(resolved, handoff))
 
     # -- one step -------------------------------------------------------------------------
@@ -103,7 +108,7 @@ class ModelRunner:
                           [None if lp is None else [lp] for lp in logprobs])
 
     # -- decode rounds --------------------------------------------------------------------
-    def _decode_steps(self, step: ResolvedStep, previous: tuple[int, torch.Tensor] | None
+    def _decode_round(self, step: ResolvedStep, previous: tuple[int, torch.Tensor] | None
                       ) -> StepOutput:
         """``step.num_steps`` (one or more) decode steps of a one-stage pipeline, in one
         call; the last step's tokens stay on the device for a round that continues it.
@@ -138,15 +143,6 @@ class ModelRunner:
             self.block_size)
         self._last_round = (step.step_id, run.last_tokens)
         return StepOutput(step.step_id, run.token_ids, run.logprobs)
-
-
-def loops_on_device(step: StepInput) -> bool:
-    """True if every row of ``step`` feeds one token and samples the next without
-    penalties (those need the token history on the host): on a one-stage pipeline its
-    sampled tokens can be the next round's input ids without leaving the device."""
-    sampling = step.sampling
-    return (sampling is not None and step.num_tokens == step.num_seqs == len(step.sample_rows)
-            and not sampling.any_penalties)
 
 
 def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[int]) -> None:

@@ -1,0 +1,87 @@
+"""Decode rounds: the one owner of how a micro-batch runs on the stages and how long.
+
+A *round* is a micro-batch whose every row feeds one token and samples the next
+without penalties, on a one-stage pipeline: the stage can then run it as
+:attr:`~raypp.step.StepMode.DECODE_ROUND`, several decode steps back to back with
+each sampled token fed back on the device, and keep the last step's tokens there for
+a round that *continues* it (asynchronous scheduling: the engine submits the next
+round before it reads this one's result). Every other micro-batch is a plain
+``FORWARD``. :class:`RoundPolicy` decides:
+
+- which micro-batches are rounds (:meth:`RoundPolicy.mode`),
+- how many steps a round may take now (:meth:`RoundPolicy.max_steps`): the
+  configured ``num_decode_steps``, or, with engine-sized rounds, as many as fill about
+  :data:`~raypp.config.ROUND_TARGET_S` at the step time measured so far
+  (:meth:`RoundPolicy.observe`); one step while a waiting request could join a
+  batch (a round of K steps would hold its prefill back for K steps),
+- whether a round may be continued before its result is read
+  (:meth:`RoundPolicy.may_continue`).
+
+The scheduler owns one policy and applies it; the block reservation for a round's
+steps, and which sequences join, stay the scheduler's. What a sequence has in flight
+is one count on the sequence (:attr:`~raypp.engine.sequence.Sequence.num_inflight_tokens`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from raypp.config import ROUND_TARGET_S, SchedulerConfig
+from raypp.step import StepMode
+
+if TYPE_CHECKING:
+    from raypp.engine.scheduler import MicroBatch, ScheduledSeq
+
+
+class RoundPolicy:
+    """Round decisions for one scheduler (module docstring). ``config`` is sized
+    (:meth:`SchedulerConfig.size_for`)."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.device_loops = config.device_loops
+        self.continues = config.rounds_ahead > 0
+        self.limit = config.num_decode_steps  # the most steps a round ever takes
+        self.adaptive = config.adaptive_rounds
+        # the most steps a round may take now: sized by observe() when adaptive
+        self.steps = 1 if self.adaptive else self.limit
+        self.step_s: float | None = None  # decode step time, averaged (adaptive rounds)
+        self._last_result_at = 0.0
+
+    @staticmethod
+    def loops_on_device(item: ScheduledSeq) -> bool:
+        """True if ``item`` feeds exactly its last token and samples without penalties
+        (those need the token history on the host): a row a round can carry."""
+        return item.num_tokens == 1 and item.sample and not item.seq.params.uses_penalties
+
+    def mode(self, items: list[ScheduledSeq]) -> StepMode:
+        """``DECODE_ROUND`` if the stage can run these rows as a round, else ``FORWARD``."""
+        if self.device_loops and all(self.loops_on_device(i) for i in items):
+            return StepMode.DECODE_ROUND
+        return StepMode.FORWARD
+
+    def max_steps(self, can_admit: bool) -> int:
+        """Steps a new round may take now; ``can_admit``: a waiting request could join a
+        batch (then one step, so its prefill is not held back)."""
+        return 1 if can_admit else self.steps
+
+    def may_continue(self, batch: MicroBatch, batches_in_flight: int, can_admit: bool) -> bool:
+        """True if ``batch``'s next round may be submitted before ``batch``'s result is
+        read: asynchronous scheduling is on, ``batch`` is a round and the only
+        micro-batch in flight, and no waiting request could join a fresh batch instead."""
+        return (self.continues and batch.mode is StepMode.DECODE_ROUND
+                and batches_in_flight == 1 and not can_admit)
+
+    def observe(self, batch: MicroBatch) -> None:
+        """``batch``'s result was just read. With engine-sized rounds, a round that
+        continued the previous one (the stage started it as that one ended) measures
+        the decode step time: the time between the two results over its steps; later
+        rounds take as many steps as fill about ``ROUND_TARGET_S`` at the average."""
+        now = time.perf_counter()
+        since, self._last_result_at = self._last_result_at, now
+        if not self.adaptive or batch.continues is None:
+            return
+        per_step = (now - since) / batch.num_steps
+        average = self.step_s
+        self.step_s = per_step if average is None else 0.7 * average + 0.3 * per_step
+        self.steps = max(1, min(self.limit, int(ROUND_TARGET_S / max(self.step_s, 1e-6))))
