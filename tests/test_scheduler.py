@@ -27,6 +27,7 @@ from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
 from raypp.engine.step_builder import StepBuilder
 from raypp.sampling_params import SamplingParams
+from raypp.step import StepMode
 from raypp.worker.block_tables import BlockTableMirror
 
 
@@ -528,3 +529,24 @@ def test_token_slices_cross_the_prompt_output_boundary():
     for start in range(len(everything) + 1):
         for end in range(start, len(everything) + 1):
             assert seq.token_ids(start, end) == everything[start:end]
+
+
+def test_round_policy_marks_rounds_only_where_the_stage_can_loop():
+    """A decode micro-batch is a DECODE_ROUND (and may be continued) on a one-stage
+    pipeline only; with penalties, or on a pipeline of stages, it is a plain FORWARD,
+    never continued, and the scheduler forms no more micro-batches than max_inflight."""
+    for pp, penalty, mode in ((1, 0.0, StepMode.DECODE_ROUND), (1, 0.5, StepMode.FORWARD),
+                              (2, 0.0, StepMode.FORWARD)):
+        blocks = BlockManager(64, 4)
+        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                 max_inflight=1).size_for("cpu", pipeline_parallel_size=pp)
+        sched = Scheduler(config, blocks, 1000)
+        sched.add(Sequence(0, "0", 0, [1, 2, 3], SamplingParams(presence_penalty=penalty), seed=0))
+        prefill = sched.schedule()
+        assert prefill.mode is StepMode.FORWARD and sched.schedule() is None  # one in flight
+        sched.complete(prefill)
+        prefill.seqs[0].seq.output_token_ids.append(1)
+        batch = sched.schedule()
+        assert batch.mode is mode and batch.seqs[0].start == 3
+        nxt = sched.continue_batch(batch)
+        assert (nxt is not None) is (mode is StepMode.DECODE_ROUND)
