@@ -172,25 +172,26 @@ def test_half_precision_matches_transformers(ray_cluster, tiny_llama, dtype, tie
 
 
 def test_multi_step_sampling_on_cuda_equals_single_steps(ray_cluster, tiny_llama):
-    """Seeded sampling and logprobs through graph replays: 8 steps per call == 1, with
+    """Seeded sampling and logprobs through graph replays: rounds of 1 and 8 steps with
     rounds submitted ahead (fed on the GPU from the previous round's last tokens, also
-    after a sequence left the batch mid-chain) and without."""
+    after a sequence left the batch mid-chain), and of 8 without, == single synchronous
+    steps."""
     from raypp import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 2, 90], list(range(3, 60)), [11] * 20]
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=m,
                              logprobs=2, ignore_eos=True) for i, m in enumerate((30, 9, 20))]
     outs, ahead = {}, {}
-    for steps, async_scheduling in ((1, True), (8, True), (8, False)):
+    for steps, async_scheduling in ((1, False), (1, True), (8, True), (8, False)):
         with LLM(str(tiny_llama), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
                  max_num_seqs=4, num_decode_steps=steps,
                  async_scheduling=async_scheduling) as llm:
             key = (steps, async_scheduling)
             outs[key] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
             ahead[key] = llm.engine.stats.rounds_ahead
-    assert ahead[1, True] == ahead[8, False] == 0 and ahead[8, True] >= 2
-    for key in ((8, True), (8, False)):
-        for a, b in zip(outs[key], outs[1, True], strict=True):
+    assert ahead[1, False] == ahead[8, False] == 0 and ahead[1, True] >= 2 and ahead[8, True] >= 2
+    for key in ((1, True), (8, True), (8, False)):
+        for a, b in zip(outs[key], outs[1, False], strict=True):
             assert a.token_ids == b.token_ids
             for la, lb in zip(a.logprobs, b.logprobs, strict=True):
                 assert la.keys() == lb.keys()
