@@ -22,7 +22,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.",
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     """The demo model's GGUF file (``make`` fetches it at setup; else it is fetched here)."""
-    from raypp.testing import demo_model_path
+    from raypp.demo import demo_model_path
 
     return demo_model_path()
 

