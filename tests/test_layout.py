@@ -10,6 +10,10 @@ only, not to every parent package. No cycle may exist among runtime imports.
 Imports under ``if TYPE_CHECKING:`` never run, but a cycle through them is a layering
 knot all the same: none may exist either.
 
+Bench. :mod:`raypp.bench` holds what ``raypp bench`` runs for users; inside raypp only
+the CLI (:mod:`raypp.entrypoints.cli`) imports it, so test helpers and lab code that the
+bench shares live elsewhere.
+
 Size. No module over ``MAX_LINES`` lines.
 
 Environment. raypp's own settings (``RAYPP_*``) are config defaults: a module
@@ -191,6 +195,16 @@ def test_no_import_cycles():
 
 def test_type_only_imports_add_no_cycle():
     assert _cycles(_graph(with_type_only=True)) == set()
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_only_the_cli_imports_bench():
+    importers = {m for m, targets in _graph(with_type_only=True).items()
+                 if not _inside(m, "raypp.bench") and any(_inside(t, "raypp.bench") for t in targets)}
+    assert importers == {"raypp.entrypoints.cli"}
 
 
 def test_modules_are_small():

@@ -6,6 +6,8 @@ product code: :mod:`raypp.demo`.
 import time
 from typing import Any
 
+import psutil
+
 
 def wait_suspended(executor: Any, timeout: float = 30.0) -> bool:
     """Wait until an idle compiled-graph executor has suspended its graph (no step and
@@ -22,8 +24,6 @@ def cpu_use_against_idle_actor(pids: list[int], seconds: float) -> tuple[list[fl
     own threads cost on this machine at this moment, the floor for an idle stage."""
     import ray
 
-    from raypp.bench.cpu import cpu_fraction
-
     actor = ray.remote(num_cpus=0)(_IdleActor).remote()
     try:
         baseline_pid = ray.get(actor.pid.remote(), timeout=60)
@@ -32,6 +32,23 @@ def cpu_use_against_idle_actor(pids: list[int], seconds: float) -> tuple[list[fl
     finally:
         ray.kill(actor)
     return used, baseline
+
+
+def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
+    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
+    the next ``seconds``; ``psutil.NoSuchProcess`` for a process that is gone by then."""
+    processes = [psutil.Process(pid) for pid in pids]
+    before = [_cpu_seconds(p) for p in processes]
+    started = time.monotonic()
+    time.sleep(seconds)
+    after = [_cpu_seconds(p) for p in processes]
+    elapsed = time.monotonic() - started
+    return [(b - a) / elapsed for a, b in zip(before, after)]
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 class _IdleActor:
