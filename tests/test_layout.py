@@ -207,6 +207,13 @@ def test_only_the_cli_imports_bench():
     assert importers == {"raypp.entrypoints.cli"}
 
 
+def test_config_does_not_import_the_stage_or_driver_side():
+    """Config validates itself (the fault grammar included) without worker/, engine/ or executor/."""
+    sides = ("raypp.worker", "raypp.engine", "raypp.executor")
+    assert {t for t in _graph(with_type_only=True)["raypp.config"]
+            if any(_inside(t, side) for side in sides)} == set()
+
+
 def test_modules_are_small():
     large = {m: _lines(m) for m in MODULES if _lines(m) > MAX_LINES}
     assert large == {}
