@@ -128,7 +128,7 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_CPU_P2P": (
         _str("RAYPP_CPU_P2P", "auto"),
-        "CPU point-to-point transport of the engine's groups: 'auto' (Unix sockets "
+        "CPU point-to-point transport of the engine's groups: 'auto' (shared-memory pipes "
         "between ranks on the same host, gloo across hosts) or 'gloo' (always gloo).",
     ),
     "RAYPP_DRIVER_WAIT": (
