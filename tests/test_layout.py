@@ -11,7 +11,7 @@ Imports under ``if TYPE_CHECKING:`` never run, but a cycle through them is a lay
 knot all the same: none may exist either.
 
 Bench. :mod:`raypp.bench` holds what ``raypp bench`` runs for users; inside raypp only
-the CLI (:mod:`raypp.entrypoints.cli`) imports it, so test helpers and lab code that the
+the CLI (:mod:`raypp.cli`) imports it, so test helpers and lab code that the
 bench shares live elsewhere.
 
 Size. No module over ``MAX_LINES`` lines.
@@ -21,7 +21,7 @@ Environment. raypp's own settings (``RAYPP_*``) are config defaults: a module
 string next to ``os.environ``/``os.getenv``. Allowed: :mod:`raypp.envs` (declares
 every variable), :mod:`raypp.config` (config defaults), :mod:`raypp.logger` (the
 raypp logger's level), and two commands that configure their own process, not the
-engine: :mod:`raypp.entrypoints.cli` (the root log level, ``RAYPP_LOG_LEVEL``) and
+engine: :mod:`raypp.cli` (the root log level, ``RAYPP_LOG_LEVEL``) and
 :mod:`raypp.entrypoints.openai.server` (the server's API key, ``RAYPP_API_KEY``).
 Ray's own variables (``RAY_ADDRESS``, ``RAY_AUTH_MODE``, ``RAY_CGRAPH_*``) belong to
 whoever starts Ray or its actors: only the modules in ``RAY_ENV_USERS``.
@@ -36,7 +36,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 450
 
 ENV_ALLOWED = {
-    "raypp.envs", "raypp.config", "raypp.logger", "raypp.entrypoints.cli",
+    "raypp.envs", "raypp.config", "raypp.logger", "raypp.cli",
     "raypp.entrypoints.openai.server",
 }
 RAY_ENV_USERS = {
@@ -181,7 +181,7 @@ def _lines(module: str) -> int:
 def test_the_graph_sees_function_level_and_relative_imports():
     tree = ast.parse("def f():\n    from raypp.entrypoints import args\n"
                      "from . import chat\nif TYPE_CHECKING:\n    import raypp.llm\n")
-    assert _imports("raypp.entrypoints.cli", tree) == [
+    assert _imports("raypp.entrypoints.generate", tree) == [
         ("raypp.entrypoints.args", False), ("raypp.entrypoints.chat", False),
         ("raypp.llm", True)]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
@@ -204,7 +204,7 @@ def _inside(module: str, package: str) -> bool:
 def test_only_the_cli_imports_bench():
     importers = {m for m, targets in _graph(with_type_only=True).items()
                  if not _inside(m, "raypp.bench") and any(_inside(t, "raypp.bench") for t in targets)}
-    assert importers == {"raypp.entrypoints.cli"}
+    assert importers == {"raypp.cli"}
 
 
 def test_config_does_not_import_the_stage_or_driver_side():
