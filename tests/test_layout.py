@@ -248,9 +248,9 @@ def _lines(module: str) -> int:
 # -- the checks ------------------------------------------------------------------------------
 def test_the_graph_sees_function_level_and_relative_imports():
     tree = ast.parse("def f():\n    from raypp.entrypoints import args\n"
-                     "from . import chat\nif TYPE_CHECKING:\n    import raypp.llm\n")
+                     "from . import metrics\nif TYPE_CHECKING:\n    import raypp.llm\n")
     assert _imports("raypp.entrypoints.generate", tree) == [
-        ("raypp.entrypoints.args", False), ("raypp.entrypoints.chat", False),
+        ("raypp.entrypoints.args", False), ("raypp.entrypoints.metrics", False),
         ("raypp.llm", True)]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     known = RAY_ENV_USERS
