@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e ".[serve,bench,test]"
-	$(VENV)/bin/python -m raypp.testing.smollm2
+	$(VENV)/bin/python -m raypp.demo
 	touch $(STAMP)
 
 demo: $(STAMP)

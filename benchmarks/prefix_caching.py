@@ -49,7 +49,7 @@ def _workloads(a: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def _bench_args(argv: list[str]) -> argparse.Namespace:
-    from raypp.entrypoints.cli import build_parser
+    from raypp.cli import build_parser
 
     return build_parser().parse_args(["bench", "throughput", *argv])
 

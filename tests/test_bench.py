@@ -12,7 +12,7 @@ import pytest
 
 from raypp.bench.timeline import Timeline, timeline_paths, to_chrome_trace
 from raypp.bench.workload import dataset_requests, synthetic_requests
-from raypp.entrypoints.cli import build_parser
+from raypp.cli import build_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -226,7 +226,7 @@ def test_dataset_and_synthetic_requests(tmp_path, tiny_llama):
 
 
 def test_make_model_cli(tmp_path):
-    from raypp.entrypoints.cli import main
+    from raypp.cli import main
 
     out = tmp_path / "m"
     assert main(["bench", "make-model", "--out", str(out), "--hidden", "64", "--layers", "2",

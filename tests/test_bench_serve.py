@@ -12,7 +12,7 @@ import pytest
 from raypp.bench.arrivals import parse_rates, poisson_offsets
 from raypp.bench.serve_client import RequestResult
 from raypp.bench.serve_metrics import summarize_run
-from raypp.entrypoints.cli import build_parser
+from raypp.cli import build_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MAX_TOKENS = 5

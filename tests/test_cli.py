@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from raypp.cli import build_parser
 from raypp.entrypoints.args import engine_kwargs
-from raypp.entrypoints.cli import build_parser
 
 NEW_OPTIONS = ["--layer-partition", "3,2,2", "--enforce-eager", "--step-timeout-s", "7.5",
                "--workers-per-gpu", "3"]

@@ -22,7 +22,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.",
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     """The demo model's GGUF file (``make`` fetches it at setup; else it is fetched here)."""
-    from raypp.testing import demo_model_path
+    from raypp.demo import demo_model_path
 
     return demo_model_path()
 
@@ -69,7 +69,7 @@ def test_smollm2_gguf_matches_transformers(ray_cluster, smollm2, pp):
 def test_make_demo_answers_paris(ray_cluster, smollm2, capsys):
     """``make demo`` (``raypp generate --demo -pp 2``): the demo questions go through the
     chat template and the first answer names Paris."""
-    from raypp.entrypoints.cli import main
+    from raypp.cli import main
 
     assert main(["generate", "--demo", "--pipeline-parallel-size", "2"]) == 0
     printed = capsys.readouterr().out

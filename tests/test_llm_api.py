@@ -151,3 +151,32 @@ def test_shutdown_leaves_no_actors_and_a_second_llm_works(ray_cluster, tiny_llam
     with LLM(str(tiny_llama), pipeline_parallel_size=2) as second:
         again = second.generate("A", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert again[0].outputs[0].token_ids == text[0].outputs[0].token_ids
+
+
+_NEW_CLUSTER = """
+import json, os, ray
+from raypp.executor.stage_pool import ensure_ray
+ensure_ray(None)
+seen = ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).remote())
+print("RESULT " + json.dumps([os.environ.get("RAY_AUTH_MODE"), seen]))
+ray.shutdown()
+"""
+
+
+def test_a_new_local_cluster_leaves_the_callers_environment_as_it_was(tmp_path):
+    """With RAY_AUTH_MODE unset, the local cluster raypp starts runs without token
+    authentication (its processes see ``disabled``), no token lands in ``~/.ray``, and the
+    caller's environment has no RAY_AUTH_MODE afterwards (a fresh process: the session's
+    cluster is already up)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-c", _NEW_CLUSTER], capture_output=True, text=True,
+                          timeout=300, env={**env, "HOME": str(tmp_path)})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-8000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == [None, "disabled"]
+    assert not (tmp_path / ".ray" / "auth_token").exists()

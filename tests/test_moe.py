@@ -331,8 +331,8 @@ def test_bench_make_model_writes_moe_checkpoints(tmp_path):
     checkpoints that raypp reads."""
     import json
 
+    from raypp.cli import main
     from raypp.config import EngineConfig, ModelConfig, ParallelConfig
-    from raypp.entrypoints.cli import main
 
     common = ["--hidden", "64", "--layers", "4", "--heads", "4", "--vocab", "300", "--experts", "8"]
     qwen, mixtral = tmp_path / "qwen3_moe", tmp_path / "mixtral"

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from raypp import LLM, EngineDeadError, ErrorKind, RequestOutput, SamplingParams
 from raypp.bench.serve import ServeBenchConfig, serve_bench
+from raypp.cli import build_parser
 from raypp.engine.async_engine import AsyncLLMEngine, GenerationError
-from raypp.entrypoints.cli import build_parser
 from raypp.entrypoints.openai.app import ServerConfig, build_app
 from raypp.entrypoints.openai.errors import generation_failure
 from raypp.entrypoints.openai.server import run_server

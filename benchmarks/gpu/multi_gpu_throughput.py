@@ -23,7 +23,7 @@ def engine_bench(run: SuiteRun, model: Path, layout: Layout, timeline: bool,
     an error); the reference layout's check output goes to ``refs["bf16"]``.
     """
     from raypp.bench.runner import run_throughput
-    from raypp.entrypoints.cli import build_parser
+    from raypp.cli import build_parser
 
     work, args = run.work, run.args
     info: dict[str, Any] = {"layout": layout.name, "tp": layout.tp, "pp": layout.pp,

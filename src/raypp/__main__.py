@@ -2,6 +2,6 @@
 
 import sys
 
-from raypp.entrypoints.cli import main
+from raypp.cli import main
 
 sys.exit(main())

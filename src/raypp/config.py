@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from raypp import envs
+from raypp.fault_spec import FaultSpec
 
 _DTYPES = {
     "float32": torch.float32,
@@ -311,7 +312,7 @@ class RuntimeConfig:
 
     Every field left ``None`` takes its ``RAYPP_*`` default (:mod:`raypp.envs`
     documents each); this dataclass, not the environment, is what stage actors
-    read. ``fault_inject`` is for tests only (see :mod:`raypp.worker.faults`).
+    read. ``fault_inject`` is for tests only (grammar: :mod:`raypp.fault_spec`).
     """
 
     step_timeout_s: float | None = None
@@ -356,9 +357,7 @@ class RuntimeConfig:
         self.driver_wait = self.driver_wait.strip().lower()
         _check_choice("driver_wait", self.driver_wait, ("auto", "spin", "poll"))
         if self.fault_inject:
-            from raypp.worker.faults import FaultInjector
-
-            FaultInjector.parse(self.fault_inject)  # a malformed spec fails here, not in a stage
+            FaultSpec.parse(self.fault_inject)  # a malformed spec fails here, not in a stage
 
 
 @dataclass

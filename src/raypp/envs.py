@@ -1,9 +1,9 @@
 """Every ``RAYPP_*`` environment variable, typed and documented, in one place.
 
 A variable only supplies the default of a config field: :mod:`raypp.config` reads
-them when a config is made (and :mod:`raypp.logger` the log level, the server
-command its API key, :mod:`raypp.testing.smollm2` the demo model's cache); nothing else
-reads the environment, stage actors included,
+them when a config is made (the demo model's cache directory included); besides it,
+:mod:`raypp.logger` and the CLI read the log level and the server command its API key.
+Nothing else reads the environment, stage actors included,
 so ``LLM(..., step_timeout_s=3)`` and ``RAYPP_STEP_TIMEOUT_S=3`` do the same.
 Values are read when accessed (``envs.RAYPP_STEP_TIMEOUT_S``).
 """
@@ -128,7 +128,7 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_CPU_P2P": (
         _str("RAYPP_CPU_P2P", "auto"),
-        "CPU point-to-point transport of the engine's groups: 'auto' (Unix sockets "
+        "CPU point-to-point transport of the engine's groups: 'auto' (shared-memory pipes "
         "between ranks on the same host, gloo across hosts) or 'gloo' (always gloo).",
     ),
     "RAYPP_DRIVER_WAIT": (

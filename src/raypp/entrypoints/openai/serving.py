@@ -164,7 +164,7 @@ class OpenAIServing:
                                                       choices=choices, usage=job.usage()))
 
     def _render_chat(self, req: p.ChatCompletionRequest) -> dict:
-        from raypp.entrypoints.chat import render_chat
+        from raypp.engine.tokenizer import render_chat
 
         tokenizer = self.engine.tokenizer
         try:

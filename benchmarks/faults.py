@@ -1,6 +1,7 @@
 """Fault timings: kill-to-error and kill-to-first-good-token, and idle CPU per stage.
 
-``python -m raypp.bench.faults --model DIR [-pp 2] [--kills 10] [--json OUT]``
+``python -m benchmarks.faults --model DIR [-pp 2] [--kills 10] [--json OUT]`` (from the
+repository root, raypp importable; formerly ``python -m raypp.bench.faults``)
 
 Each round starts a long batch, kills one stage actor (``ray.kill``, rotating
 over the stages) one second in, and records how long until ``generate`` raised,
@@ -55,7 +56,7 @@ def idle_cpu(model: str, pp: int, seconds: float, suspend_s: float) -> list[floa
     import ray
 
     from raypp import LLM, SamplingParams
-    from raypp.bench.cpu import cpu_fraction
+    from raypp.testing import cpu_fraction
 
     with LLM(model, pipeline_parallel_size=pp, idle_suspend_s=suspend_s) as llm:
         llm.generate("A", SamplingParams(max_tokens=4), use_tqdm=False)

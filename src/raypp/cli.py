@@ -3,6 +3,9 @@
 What callers may rely on: :func:`build_parser` registers every subcommand, each
 setting ``func``; :func:`main` runs it and returns its exit status. ``serve`` and
 ``bench`` are left out when their modules cannot be imported (a slim install).
+The front door above both rooms it dispatches to: :mod:`raypp.entrypoints` (generate,
+serve) and :mod:`raypp.bench` (which reuses the engine options of
+:mod:`raypp.entrypoints.args`), so neither imports the other's dispatcher.
 """
 
 from __future__ import annotations

