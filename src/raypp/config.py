@@ -1,10 +1,13 @@
 """Engine configuration: one dataclass per concern, each validating itself
-(:class:`ModelConfig` lives in :mod:`raypp.model_config`)."""
+(:class:`ModelConfig` lives in :mod:`raypp.model_config`), and
+:meth:`EngineConfig.from_kwargs`, the one mapping of engine options onto them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -239,6 +242,27 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     device: str = "auto"
 
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """The config of ``LLM(model, **kwargs)``, the one mapping of engine options:
+        ``LLM``, ``AsyncLLMEngine.from_model`` and the command line all build theirs
+        here. Each option is a field of one section's config (``device`` of this one);
+        one left out takes its default (``RAYPP_*`` where there is one). An unknown
+        option raises :class:`UnknownOptionError` naming it and its close
+        matches, before anything else is checked."""
+        owners = _option_owners()
+        unknown = sorted(set(kwargs) - set(owners))
+        if unknown:
+            raise UnknownOptionError(_unknown_options(unknown, list(owners)))
+        parts: dict[type, dict[str, Any]] = {owner: {} for owner in owners.values()}
+        for name, value in kwargs.items():
+            parts[owners[name]][name] = value
+        return cls(model=ModelConfig(model, **parts[ModelConfig]),
+                   parallel=ParallelConfig(**parts[ParallelConfig]),
+                   cache=CacheConfig(**parts[CacheConfig]),
+                   scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                   runtime=RuntimeConfig(**parts[RuntimeConfig]), **parts[cls])
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -288,6 +312,28 @@ class EngineConfig:
     def executor_depth(self) -> int:
         """Steps an executor must accept at once: ``max_inflight`` plus ``rounds_ahead``."""
         return self.scheduler.max_inflight + self.rounds_ahead
+
+
+class UnknownOptionError(ValueError, TypeError):
+    """An engine option no config has (``LLM(model, pipeline_paralel_size=2)``): a bad
+    value like every other config error, and a ``TypeError`` like any unknown keyword."""
+
+
+def _option_owners() -> dict[str, type]:
+    """Engine option -> the config class it is a field of."""
+    owners = {f.name: c for c in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig,
+                                  RuntimeConfig) for f in fields(c) if f.init}
+    del owners["model"]  # from_kwargs's own argument
+    return {**owners, "device": EngineConfig}
+
+
+def _unknown_options(unknown: list[str], known: list[str]) -> str:
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3)
+        named.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
+                                    if close else ""))
+    return f"unknown engine option{'s' * (len(unknown) > 1)}: {', '.join(named)}"
 
 
 def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:

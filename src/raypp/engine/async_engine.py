@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from raypp.config import EngineConfig
 from raypp.engine.engine import LLMEngine
 from raypp.errors import EngineDeadError
 from raypp.outputs import RequestOutput
@@ -114,11 +115,10 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_model(cls, model: str, collect_stage_times: bool = False,
-                   **llm_kwargs: Any) -> AsyncLLMEngine:
-        """Start an engine like ``LLM(model, **llm_kwargs)`` and wrap it."""
-        from raypp.llm import LLM
-
-        return cls(LLM(model, **llm_kwargs).engine, collect_stage_times)
+                   **kwargs: Any) -> AsyncLLMEngine:
+        """Start an engine on :meth:`EngineConfig.from_kwargs(model, **kwargs)
+        <raypp.config.EngineConfig.from_kwargs>` (the options ``LLM`` takes) and wrap it."""
+        return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs)), collect_stage_times)
 
     # -- caller side (any thread) --------------------------------------------------------
     @property
