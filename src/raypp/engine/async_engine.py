@@ -290,15 +290,10 @@ class AsyncLLMEngine:
                 self._drain_stage_times()
 
     def _drain_stage_times(self) -> None:
-        import ray
-
-        workers = [w for lane in self.engine.executor.workers for w in lane]
         try:
-            timelines = ray.get([w.traced_intervals.remote() for w in workers],
-                                timeout=_STAGE_TIMES_TIMEOUT_S)
+            intervals = self.engine.executor.traced_intervals(_STAGE_TIMES_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a dead stage is the health check's to report
             logger.debug("could not collect stage step times: %s", e)
             return
-        for intervals in timelines:
-            for stage, start, end in intervals:
-                self._stage_times.append((stage, end - start))
+        for stage, start, end in intervals:
+            self._stage_times.append((stage, end - start))
