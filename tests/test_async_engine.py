@@ -112,6 +112,20 @@ def test_consumer_that_stops_aborts_and_frees_blocks(setup, how):
     assert not engine.engine.requests
 
 
+def test_stats_carry_the_engines_counters_and_load(setup):
+    engine, _ = setup
+    _wait_idle(engine)
+    before = engine.stats()
+    asyncio.run(_collect(engine, PROMPTS[2], GREEDY, "counted"))
+    _wait_idle(engine)
+    after = engine.stats()
+    assert after.tokens_generated - before.tokens_generated == GREEDY.max_tokens
+    assert after.steps > before.steps and after.steps == engine.engine.stats.steps
+    assert after.kv_blocks_total == engine.engine.block_manager.num_blocks > 0
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(
+        engine.engine.tokenizer.encode(PROMPTS[2]))
+
+
 def test_invalid_requests_raise_before_streaming(setup):
     engine, refs = setup
 

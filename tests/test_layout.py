@@ -13,9 +13,7 @@ knot all the same: none may exist either.
 Packages. The same edges, each module taken as its room (``raypp.engine.scheduler`` ->
 ``raypp.engine``; a top-level module such as ``raypp.config`` is a room of its own): no
 cycle among rooms either, e.g. engine/ importing executor/ while executor/ imports
-engine/. ``KNOWN_ROOM_CYCLE_EDGES`` names the module edges that still close one, each
-with its owner's reason; the check fails as well once a named edge is gone, so the list
-only shrinks.
+engine/.
 
 Bench. :mod:`raypp.bench` holds what ``raypp bench`` runs for users; inside raypp only
 the CLI (:mod:`raypp.cli`) imports it, so test helpers and lab code that the
@@ -46,6 +44,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,11 +52,6 @@ SRC = ROOT / "src"
 MAX_LINES = 450
 MAP_DESCRIPTION_INDENT = 20
 # module edges that close a cycle among rooms, until their owners move them
-KNOWN_ROOM_CYCLE_EDGES = {
-    # AsyncLLMEngine.from_model builds an LLM to take its engine: engine/ -> llm -> engine/
-    ("raypp.engine.async_engine", "raypp.llm"),
-}
-
 ENV_ALLOWED = {
     "raypp.envs", "raypp.config", "raypp.logger", "raypp.cli",
     "raypp.entrypoints.openai.server",
@@ -174,12 +168,10 @@ def _room(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _room_graph(graph: dict[str, set[str]],
-                leave_out: frozenset[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
+def _room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     rooms: dict[str, set[str]] = {_room(m): set() for m in graph}
     for module, targets in graph.items():
-        rooms[_room(module)] |= {_room(t) for t in targets
-                                 if _room(t) != _room(module) and (module, t) not in leave_out}
+        rooms[_room(module)] |= {_room(t) for t in targets if _room(t) != _room(module)}
     return rooms
 
 
@@ -207,11 +199,17 @@ def _map_names() -> dict[Path, int]:
 
 
 def _root_entries() -> set[Path]:
-    """What lies at the repository's root, less .git and what .gitignore names."""
-    patterns = [p.strip().strip("/") for p in (ROOT / ".gitignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
-    return {p for p in ROOT.iterdir() if p.name != ".git"
-            and not any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)}
+    """What git tracks at the repository's root (a developer's own untracked folders are
+    not rooms); without git, what lies there less .git and what .gitignore names."""
+    try:
+        tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True,
+                                 text=True, check=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        patterns = [p.strip().strip("/") for p in (ROOT / ".gitignore").read_text().splitlines()
+                    if p.strip() and not p.startswith("#")]
+        return {p for p in ROOT.iterdir() if p.name != ".git"
+                and not any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)}
+    return {ROOT / path.split("/", 1)[0] for path in tracked}
 
 
 def _touches_environment(module: str) -> bool:
@@ -266,13 +264,7 @@ def test_type_only_imports_add_no_cycle():
 
 
 def test_no_cycles_among_rooms():
-    graph = _graph(with_type_only=True)
-    assert _cycles(_room_graph(graph, frozenset(KNOWN_ROOM_CYCLE_EDGES))) == set()
-    gone = {edge for edge in KNOWN_ROOM_CYCLE_EDGES if edge[1] not in graph[edge[0]]}
-    assert gone == set(), "fixed: drop these from KNOWN_ROOM_CYCLE_EDGES"
-    still = _cycles(_room_graph(graph))
-    for source, target in KNOWN_ROOM_CYCLE_EDGES:  # each named edge still closes a cycle
-        assert any({_room(source), _room(target)} <= cycle for cycle in still), (source, target)
+    assert _cycles(_room_graph(_graph(with_type_only=True))) == set()
 
 
 def test_rooms_are_packages_and_top_level_modules():
@@ -280,7 +272,6 @@ def test_rooms_are_packages_and_top_level_modules():
     graph = {"raypp.a.x": {"raypp.b.y"}, "raypp.b.y": set(), "raypp.b.z": {"raypp.a"},
              "raypp.a": set(), "raypp.c": {"raypp.a.x"}}
     assert _cycles(_room_graph(graph)) == {frozenset({"raypp.a", "raypp.b"})}
-    assert _cycles(_room_graph(graph, frozenset({("raypp.b.z", "raypp.a")}))) == set()
 
 
 def test_the_map_names_every_room_and_nothing_that_is_gone():

@@ -1,9 +1,11 @@
-"""Engine configuration: one dataclass per concern, each validating itself."""
+"""Engine configuration: one dataclass per concern, each validating itself
+(:class:`ModelConfig` lives in :mod:`raypp.model_config`), and
+:meth:`EngineConfig.from_kwargs`, the one mapping of engine options onto them."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -11,126 +13,7 @@ import torch
 
 from raypp import envs
 from raypp.fault_spec import FaultSpec
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-@dataclass
-class ModelConfig:
-    """A checkpoint and how to run it: a Hugging Face–format directory (``config.json``,
-    safetensors, tokenizer), or a GGUF file (or a directory holding one ``.gguf`` and no
-    ``config.json``), whose config and tokenizer transformers reads from its metadata.
-
-    After construction ``model`` is the resolved directory, or the resolved ``.gguf``
-    file, and ``architecture`` the supported architecture the config names (a config
-    without ``architectures`` falls back to its ``model_type``, as transformers does).
-    Raises ``FileNotFoundError`` naming the path when it or its ``config.json`` is
-    missing, ``ValueError`` for an unsupported architecture (naming the supported ones),
-    GGUF tensor type (naming it), dtype or ``max_model_len``.
-    """
-
-    model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    hf_config: dict[str, Any] = field(init=False, repr=False)
-    architecture: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        from raypp.model import gguf
-        from raypp.model.registry import resolve_architecture
-
-        path = Path(self.model).expanduser()
-        gguf_file = gguf.find_gguf(path)
-        if gguf_file is not None:
-            self.model = str(gguf_file.resolve())
-            self.hf_config = gguf.read_config(self.model)
-        else:
-            if not path.is_dir():
-                raise FileNotFoundError(
-                    f"model directory {self.model!r} does not exist (raypp loads local "
-                    "Hugging Face–format directories: config.json + *.safetensors + tokenizer, "
-                    "or a .gguf file)"
-                )
-            config_file = path / "config.json"
-            if not config_file.is_file():
-                raise FileNotFoundError(f"{str(config_file)!r} not found: not a Hugging Face "
-                                        "model dir (nor a directory holding one .gguf file)")
-            self.model = str(path.resolve())
-            self.hf_config = json.loads(config_file.read_text())
-        try:
-            self.architecture = resolve_architecture(self.hf_config)
-        except ValueError as e:
-            raise ValueError(f"model {self.model!r}: {e}") from None
-        _ = self.torch_dtype  # validates dtype
-        limit = self.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = limit
-        elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
-            raise ValueError(
-                f"max_model_len must be an integer in [1, {limit}] (the checkpoint's "
-                f"max_position_embeddings), got {self.max_model_len!r}"
-            )
-
-    @property
-    def is_gguf(self) -> bool:
-        return self.model.endswith(".gguf")
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.hf_config["hidden_size"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
-
-    @property
-    def num_attention_heads(self) -> int:
-        return int(self.hf_config["num_attention_heads"])
-
-    @property
-    def num_kv_heads(self) -> int:
-        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.hf_config.get("head_dim") or self.hidden_size // self.num_attention_heads)
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return int(self.hf_config.get("max_position_embeddings", 2048))
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
-            return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        return _DTYPES[self.dtype]
-
-    def eos_token_ids(self) -> list[int]:
-        """EOS ids from generation_config.json, else config.json (a GGUF file: its metadata)."""
-        gen = Path(self.model) / "generation_config.json"
-        source = json.loads(gen.read_text()) if not self.is_gguf and gen.is_file() else {}
-        eos = source.get("eos_token_id", self.hf_config.get("eos_token_id"))
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list) else [int(eos)]
-
+from raypp.model_config import ModelConfig
 
 _CONTROL_PLANES = ("cgraph", "direct")
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -369,6 +252,27 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     device: str = "auto"
 
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """The config of ``LLM(model, **kwargs)``, the one mapping of engine options:
+        ``LLM``, ``AsyncLLMEngine.from_model`` and the command line all build theirs
+        here. Each option is a field of one section's config (``device`` of this one);
+        one left out takes its default (``RAYPP_*`` where there is one). An unknown
+        option raises :class:`UnknownOptionError` naming it and its close
+        matches, before anything else is checked."""
+        owners = _option_owners()
+        unknown = sorted(set(kwargs) - set(owners))
+        if unknown:
+            raise UnknownOptionError(_unknown_options(unknown, list(owners)))
+        parts: dict[type, dict[str, Any]] = {owner: {} for owner in owners.values()}
+        for name, value in kwargs.items():
+            parts[owners[name]][name] = value
+        return cls(model=ModelConfig(model, **parts[ModelConfig]),
+                   parallel=ParallelConfig(**parts[ParallelConfig]),
+                   cache=CacheConfig(**parts[CacheConfig]),
+                   scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                   runtime=RuntimeConfig(**parts[RuntimeConfig]), **parts[cls])
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -411,6 +315,28 @@ class EngineConfig:
         """Steps an executor must accept at once: ``max_inflight`` plus the scheduler's
         ``rounds_ahead``."""
         return self.scheduler.max_inflight + self.scheduler.rounds_ahead
+
+
+class UnknownOptionError(ValueError, TypeError):
+    """An engine option no config has (``LLM(model, pipeline_paralel_size=2)``): a bad
+    value like every other config error, and a ``TypeError`` like any unknown keyword."""
+
+
+def _option_owners() -> dict[str, type]:
+    """Engine option -> the config class it is a field of."""
+    owners = {f.name: c for c in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig,
+                                  RuntimeConfig) for f in fields(c) if f.init}
+    del owners["model"]  # from_kwargs's own argument
+    return {**owners, "device": EngineConfig}
+
+
+def _unknown_options(unknown: list[str], known: list[str]) -> str:
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3)
+        named.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
+                                    if close else ""))
+    return f"unknown engine option{'s' * (len(unknown) > 1)}: {', '.join(named)}"
 
 
 def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:

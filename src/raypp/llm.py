@@ -8,14 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from raypp.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    RuntimeConfig,
-    SchedulerConfig,
-)
+from raypp.config import EngineConfig
 from raypp.engine.engine import LLMEngine
 from raypp.errors import ErrorKind, RequestFailedError
 from raypp.outputs import RequestOutput
@@ -28,15 +21,17 @@ class LLM:
     """A pipeline-parallel model on Ray, for offline batched generation.
 
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
-    Extra keyword arguments are fields of the engine's configs
-    (:mod:`raypp.config`): the KV cache (``block_size``, ``kv_cache_memory_bytes``,
-    ``gpu_memory_utilization``, ``enable_prefix_caching``), the scheduler (``max_num_seqs``,
-    ``max_num_batched_tokens``, ``max_inflight``, ``num_decode_steps``,
-    ``async_scheduling``), parallelism (``layer_partition``,
+    Extra keyword arguments are fields of the engine's configs, mapped by
+    :meth:`raypp.config.EngineConfig.from_kwargs` as the command line's options and
+    ``AsyncLLMEngine.from_model``'s are: the KV cache (``block_size``,
+    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``enable_prefix_caching``),
+    the scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``,
+    ``num_decode_steps``, ``async_scheduling``), parallelism (``layer_partition``,
     ``use_ray_wrapped_pp_comm``, ``placement_strategy``, ``cpu_p2p``) and the runtime
     (``step_timeout_s``, ``enforce_eager``, ``restart_window_s``, …); an option left
-    out takes its ``RAYPP_*`` default, and unknown ones raise ``TypeError``. Use as a
-    context manager or call :meth:`shutdown`.
+    out takes its ``RAYPP_*`` default, and an unknown one raises
+    :class:`~raypp.config.UnknownOptionError` (a ``ValueError`` and a ``TypeError``)
+    naming it and its close matches. Use as a context manager or call :meth:`shutdown`.
     """
 
     def __init__(
@@ -53,19 +48,11 @@ class LLM:
         max_restarts: int | None = None,
         **kwargs: Any,
     ):
-        parts = {cls: {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(cls)}
-                 for cls in (CacheConfig, SchedulerConfig, ParallelConfig, RuntimeConfig)}
-        if kwargs:
-            raise TypeError(f"LLM() got unknown option(s): {', '.join(sorted(kwargs))}")
-        config = EngineConfig(
-            model=ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            parallel=ParallelConfig(pipeline_parallel_size, tensor_parallel_size, ray_address,
-                                    control_plane=control_plane, **parts[ParallelConfig]),
-            cache=CacheConfig(**parts[CacheConfig]),
-            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-            runtime=RuntimeConfig(max_restarts=max_restarts, **parts[RuntimeConfig]),
-            device=device,
-        )
+        config = EngineConfig.from_kwargs(
+            model, pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, ray_address=ray_address, device=device,
+            control_plane=control_plane, max_restarts=max_restarts, **kwargs)
         self.engine = LLMEngine(config)
         self.engine.emit_unfinished = False  # generate() only needs final outputs
         self._request_ids = itertools.count()
@@ -157,16 +144,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-_EXPLICIT = {"pipeline_parallel_size", "tensor_parallel_size", "ray_address", "control_plane",
-             "max_restarts"}  # LLM's own parameters
-
-
-def _fields(cls: type) -> set[str]:
-    from dataclasses import fields
-
-    return {f.name for f in fields(cls) if f.init} - _EXPLICIT
 
 
 def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:

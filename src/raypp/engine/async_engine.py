@@ -30,10 +30,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+from raypp.config import EngineConfig
 from raypp.engine.engine import LLMEngine
+from raypp.engine.stats import EngineStats
 from raypp.errors import EngineDeadError
 from raypp.outputs import RequestOutput
 from raypp.sampling_params import SamplingParams
@@ -52,19 +53,6 @@ class GenerationError(RuntimeError):
     def __init__(self, output: RequestOutput):
         super().__init__(output.error)
         self.output = output
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the loop thread publishes after every iteration."""
-
-    running: int = 0  # requests with at least one sequence running
-    waiting: int = 0  # requests queued, none of their sequences running yet
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    steps: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
-    prefix_cache_hits: int = 0  # of which found there
 
 
 class _Stream:
@@ -102,7 +90,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._last_step_failed = False
-        self._stats = EngineStats(kv_blocks_total=engine.block_manager.num_blocks)
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
         self._collect_stage_times = collect_stage_times
         self._stage_times: deque[tuple[int, float]] = deque(maxlen=10_000)
         self._last_stage_drain = time.monotonic()
@@ -114,11 +102,10 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_model(cls, model: str, collect_stage_times: bool = False,
-                   **llm_kwargs: Any) -> AsyncLLMEngine:
-        """Start an engine like ``LLM(model, **llm_kwargs)`` and wrap it."""
-        from raypp.llm import LLM
-
-        return cls(LLM(model, **llm_kwargs).engine, collect_stage_times)
+                   **kwargs: Any) -> AsyncLLMEngine:
+        """Start an engine on :meth:`EngineConfig.from_kwargs(model, **kwargs)
+        <raypp.config.EngineConfig.from_kwargs>` (the options ``LLM`` takes) and wrap it."""
+        return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs)), collect_stage_times)
 
     # -- caller side (any thread) --------------------------------------------------------
     @property
@@ -167,6 +154,7 @@ class AsyncLLMEngine:
         self._submit(("abort", request_id))
 
     def stats(self) -> EngineStats:
+        """The engine's counters and load as of the loop's last iteration."""
         return self._stats
 
     def pop_stage_times(self) -> list[tuple[int, float]]:
@@ -292,16 +280,7 @@ class AsyncLLMEngine:
 
     def _publish(self, idle: bool) -> None:
         engine = self.engine
-        running = {seq.request_id for seq in engine.scheduler.running}
-        self._stats = EngineStats(
-            running=len(running),
-            waiting=max(0, len(engine.requests) - len(running)),
-            kv_blocks_used=engine.block_manager.num_used,
-            kv_blocks_total=engine.block_manager.num_blocks,
-            steps=self._stats.steps + (0 if idle else 1),
-            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
-            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
-        )
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
         if not idle:
             self._steps_since_drain += 1
         if self._collect_stage_times and self._steps_since_drain:
@@ -311,15 +290,10 @@ class AsyncLLMEngine:
                 self._drain_stage_times()
 
     def _drain_stage_times(self) -> None:
-        import ray
-
-        workers = [w for lane in self.engine.executor.workers for w in lane]
         try:
-            timelines = ray.get([w.traced_intervals.remote() for w in workers],
-                                timeout=_STAGE_TIMES_TIMEOUT_S)
+            intervals = self.engine.executor.traced_intervals(_STAGE_TIMES_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a dead stage is the health check's to report
             logger.debug("could not collect stage step times: %s", e)
             return
-        for intervals in timelines:
-            for stage, start, end in intervals:
-                self._stage_times.append((stage, end - start))
+        for stage, start, end in intervals:
+            self._stage_times.append((stage, end - start))

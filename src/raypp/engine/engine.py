@@ -28,6 +28,7 @@ from raypp.engine.block_manager import BlockManager
 from raypp.engine.output_processor import OutputProcessor, request_output
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
+from raypp.engine.stats import EngineStats
 from raypp.engine.step_builder import StepBuilder
 from raypp.engine.tokenizer import load_tokenizer
 from raypp.errors import (
@@ -46,19 +47,6 @@ from raypp.step import StepInput, StepOutput
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters since start-up."""
-
-    steps: int = 0
-    tokens_processed: int = 0  # tokens fed through the pipeline (prefill + decode)
-    tokens_generated: int = 0
-    step_time_s: float = 0.0  # wall time waiting on step results
-    max_step_wait_s: float = 0.0  # longest single wait for a step result
-    overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
-    rounds_ahead: int = 0  # decode rounds submitted before the round they continue was read
 
 
 @dataclass

@@ -31,7 +31,7 @@ from raypp.config import ROUND_TARGET_S, SchedulerConfig
 from raypp.step import StepMode
 
 if TYPE_CHECKING:
-    from raypp.engine.scheduler import MicroBatch, ScheduledSeq
+    from raypp.engine.micro_batch import MicroBatch, ScheduledSeq
 
 
 class RoundPolicy:

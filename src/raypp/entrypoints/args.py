@@ -3,13 +3,19 @@
 What callers may rely on: :func:`engine_kwargs` returns keyword arguments that
 ``LLM(model, **kwargs)`` (and ``AsyncLLMEngine.from_model``) accept; an option
 not given on the command line is left out, so its ``RAYPP_*`` default applies.
+:func:`engine_config` turns them into the engine's config through
+:meth:`EngineConfig.from_kwargs <raypp.config.EngineConfig.from_kwargs>`, the mapping
+``LLM`` uses, so a flag and the keyword it becomes always mean the same.
 Importing this module does not import torch or Ray.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raypp.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +111,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
+
+
+def engine_config(model: str, args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    """The config of ``LLM(model, **engine_kwargs(args), **extra)``, without starting it."""
+    from raypp.config import EngineConfig
+
+    return EngineConfig.from_kwargs(model, **engine_kwargs(args), **extra)
 
 
 def resolve_model(model: str | None, demo: bool) -> str:

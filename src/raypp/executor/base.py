@@ -139,9 +139,12 @@ class Executor(abc.ABC):
         """PP traffic counters of every worker, in rank order (pp-major)."""
         return self.pool.call_all("comm_stats", 60)
 
-    def traced_intervals(self) -> list[tuple[int, float, float]]:
-        """``(pp_rank, start, end)`` of every traced step since the last call."""
-        return [i for intervals in self.pool.call_all("traced_intervals", 60) for i in intervals]
+    def traced_intervals(self, timeout: float = 60.0) -> list[tuple[int, float, float]]:
+        """``(pp_rank, start, end)`` of every step each worker traced since the last call
+        (``StepInput.trace``), in worker rank order; raises (``GetTimeoutError`` after
+        ``timeout`` seconds, or a dead stage's error) when a worker does not answer."""
+        return [i for intervals in self.pool.call_all("traced_intervals", timeout)
+                for i in intervals]
 
     def shutdown(self) -> None:
         """Stop the plane and kill the workers (idempotent). A broken executor's workers

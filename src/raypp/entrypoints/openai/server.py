@@ -13,7 +13,8 @@ import argparse
 
 from raypp import envs
 from raypp.engine.async_engine import AsyncLLMEngine
-from raypp.entrypoints.args import add_engine_args, engine_kwargs, resolve_model
+from raypp.engine.engine import LLMEngine
+from raypp.entrypoints.args import add_engine_args, engine_config, resolve_model
 from raypp.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 
 
@@ -49,7 +50,7 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     model = resolve_model(args.model, args.demo)
     names = args.served_model_name or [args.model or "raypp-demo"]
-    engine = AsyncLLMEngine.from_model(model, collect_stage_times=True, **engine_kwargs(args))
+    engine = AsyncLLMEngine(LLMEngine(engine_config(model, args)), collect_stage_times=True)
     try:
         config = ServerConfig(names, model, args.api_key or envs.RAYPP_API_KEY,
                               args.max_request_bytes)

@@ -1,0 +1,47 @@
+"""EngineStats: the one record of how an engine is doing.
+
+:class:`~raypp.engine.engine.LLMEngine` keeps the cumulative counters in
+``engine.stats`` as it steps. The load fields (requests, KV blocks, prefix cache)
+describe one moment: :meth:`EngineStats.snapshot` fills them in a copy, which is what
+:class:`~raypp.engine.async_engine.AsyncLLMEngine` publishes after every loop
+iteration and the server's ``/metrics`` reads. In ``engine.stats`` itself they stay 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raypp.engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up and, in a :meth:`snapshot`, the load at one moment."""
+
+    # cumulative since start-up, updated by the engine's step
+    steps: int = 0  # step results read
+    tokens_processed: int = 0  # tokens fed through the pipeline (prefill + decode)
+    tokens_generated: int = 0
+    step_time_s: float = 0.0  # wall time waiting on step results
+    max_step_wait_s: float = 0.0  # longest single wait for a step result
+    overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
+    rounds_ahead: int = 0  # decode rounds submitted before the round they continue was read
+    # the load at one moment: filled by snapshot()
+    running: int = 0  # requests with at least one sequence running
+    waiting: int = 0  # requests queued, none of their sequences running yet
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of which found there
+
+    def snapshot(self, scheduler: Scheduler, num_requests: int) -> EngineStats:
+        """A copy of these counters with the load of ``scheduler`` (and its block
+        manager) and ``num_requests`` unfinished requests filled in."""
+        running = len({seq.request_id for seq in scheduler.running})
+        return replace(
+            self, running=running, waiting=max(0, num_requests - running),
+            kv_blocks_used=scheduler.blocks.num_used, kv_blocks_total=scheduler.blocks.num_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits)
