@@ -66,7 +66,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
-        All prompts are validated before any runs: an invalid one raises
+        All prompts and parameters are validated before any runs, grammars
+        (``SamplingParams.structured_outputs``) compiled: an invalid one raises
         ``ValueError`` and nothing is queued.
         """
         prompts = _as_prompt_list(prompts)
@@ -75,6 +76,10 @@ class LLM:
         prepared = [engine.prepare_prompt(p) for p in prompts]
         for _, token_ids in prepared:
             engine.validate_prompt(token_ids)
+        for p in {id(p): p for p in params}.values():
+            engine.validate_params(p)
+            if p.structured_outputs is not None:
+                engine.structured.compile(p.structured_outputs)
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         for request_id, (text, token_ids), p in zip(ids, prepared, params):
             engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, p)

@@ -81,6 +81,12 @@ class SamplingBatch:
     # the last stage from its history mirror (module docstring); the engine sends none
     prompt_tokens: list[list[int]] = field(default_factory=list)
     output_tokens: list[list[int]] = field(default_factory=list)
+    # logits shaping (raypp.worker.logits_processors), each empty when no row has any, else
+    # one entry per row: the grammar's allowed next tokens as a packed little-endian int32
+    # bitmask (token t allowed iff bit t % 32 of word t // 32 is set; None: unconstrained),
+    # and the logit bias as (token ids, biases)
+    token_bitmask: list[bytes | None] = field(default_factory=list)
+    logit_bias: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
     def penalized(self, row: int) -> bool:
         """True if ``row`` samples with a presence, frequency or repetition penalty."""

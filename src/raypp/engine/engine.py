@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
 from raypp.engine.stats import EngineStats
 from raypp.engine.step_builder import StepBuilder
+from raypp.engine.structured import StructuredOutputs
 from raypp.engine.tokenizer import load_tokenizer
 from raypp.errors import (
     EngineDeadError,
@@ -70,6 +72,11 @@ class LLMEngine:
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
+        # structured outputs: grammars compile off this thread; a request waits here
+        # (not yet scheduled) until its grammar is ready
+        self.structured = StructuredOutputs(self.tokenizer, config.model.vocab_size,
+                                            config.model.eos_token_ids())
+        self._compiling: list[tuple[Request, Future]] = []
         self.step_builder = StepBuilder(self.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer, set(config.model.eos_token_ids()),
                                                 self.scheduler, self.requests)
@@ -103,18 +110,60 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """``ValueError`` if ``params`` cannot run on this model (logit bias ids outside
+        the vocabulary). Grammars are checked by compiling them (:attr:`structured`)."""
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad[:5]}")
+
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None) -> None:
-        """Queue a request; ``ValueError`` (and nothing queued) if it is invalid."""
+        """Queue a request; ``ValueError`` (and nothing queued) if it is invalid.
+
+        A request with ``structured_outputs`` is scheduled once its grammar compiled
+        (off this thread; at once when cached); a grammar the library rejects raises
+        here if that is already known, else finishes the request with an error
+        (``ErrorKind.INVALID_REQUEST``)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.prepare_prompt(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
+        future = None
+        if params.structured_outputs is not None:
+            future = self.structured.submit(params.structured_outputs)
+            if future.done() and future.exception() is not None:
+                raise future.exception()
         seqs = [self._new_sequence(request_id, i, token_ids, params) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        request = self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
+        if future is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        else:
+            self._compiling.append((request, future))
+            self._admit_compiled()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammars compiled; fail those the library
+        rejected (their outputs)."""
+        waiting, self._compiling, failed = self._compiling, [], []
+        for request, future in waiting:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted while compiling
+            if not future.done():
+                self._compiling.append((request, future))
+            elif future.exception() is not None:
+                self._fail_request(request, f"{future.exception()}", ErrorKind.INVALID_REQUEST)
+                failed.append(request_output(request))
+                del self.requests[request.request_id]
+            else:
+                for seq in request.seqs:
+                    seq.grammar = self.structured.grammar(future.result())
+                    self.scheduler.add(seq)
+        return failed
 
     def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a string, token-id list or prompt dict."""
@@ -194,6 +243,8 @@ class LLMEngine:
         started = time.perf_counter()
         if self._needs_restart and not self._restart():
             return []
+        if self._compiling and (rejected := self._admit_compiled()):
+            return rejected
         try:
             self._fill_pipeline()
         except (StageDiedError, StepTimeoutError) as e:
@@ -375,4 +426,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (idempotent); later steps raise :class:`EngineDeadError`."""
         self._dead = self._dead or "engine was shut down"
+        self.structured.close()
         self.executor.shutdown()

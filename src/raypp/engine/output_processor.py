@@ -4,7 +4,9 @@ place, incremental detokenization, logprobs.
 Stops, in the order they apply to each sampled token: a stop or EOS id (once
 ``min_tokens`` are out), a stop string in the decoded text (which outranks the
 length limit on the same token), then the length limit (``max_tokens`` or
-``max_model_len``). Tokens a multi-step decode round sampled past a stop are dropped.
+``max_model_len``). A constrained sequence also stops once its grammar is complete
+(:mod:`raypp.engine.structured`: every appended token advances its matcher). Tokens a
+multi-step decode round sampled past a stop are dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from raypp.engine import detokenizer
+from raypp.engine import detokenizer, structured
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence, SequenceStatus
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
@@ -107,6 +109,8 @@ class OutputProcessor:
                                 for t, lp in zip(tokens[:take], row_logprobs))
         if stopped_by is not None:
             seq.finish("stop", stopped_by if stopped_by in params.stop_token_ids else None)
+        elif seq.grammar is not None and structured.advance(seq, tokens[:take]):
+            seq.finish("stop")  # its grammar is complete
         elif length_stops and self.scheduler.room(seq) == 0:
             seq.finish("length")
 

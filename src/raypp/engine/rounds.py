@@ -51,8 +51,13 @@ class RoundPolicy:
     @staticmethod
     def loops_on_device(item: ScheduledSeq) -> bool:
         """True if ``item`` feeds exactly its last token and samples without penalties
-        (those need the token history on the host): a row a round can carry."""
-        return item.num_tokens == 1 and item.sample and not item.seq.params.uses_penalties
+        (those need the token history on the host), a grammar or a logit bias (the
+        driver builds each token's mask from the tokens before it, so a constrained
+        row takes one FORWARD step per round trip and is never continued ahead): a row
+        a round can carry."""
+        params = item.seq.params
+        return (item.num_tokens == 1 and item.sample and not params.uses_penalties
+                and not params.shapes_logits)
 
     def mode(self, items: list[ScheduledSeq]) -> StepMode:
         """``DECODE_ROUND`` if the stage can run these rows as a round, else ``FORWARD``."""

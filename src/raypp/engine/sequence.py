@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from raypp.errors import ErrorKind
 from raypp.outputs import Logprob
@@ -56,6 +57,9 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    # structured outputs: the matcher of its grammar (raypp.engine.structured.SeqGrammar),
+    # which has accepted exactly output_token_ids
+    grammar: Any = None
     # incremental detokenization
     text: str = ""
     prefix_offset: int = 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 
+from raypp.engine import structured
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence
 from raypp.step import SamplingBatch, StepInput
@@ -155,4 +156,7 @@ def sampling_batch(rows: list[tuple[Sequence, int]]) -> SamplingBatch:
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],
         repetition_penalty=[p.repetition_penalty for p in params],
+        token_bitmask=structured.token_bitmasks(seqs),
+        logit_bias=([(list(p.logit_bias), list(p.logit_bias.values())) if p.logit_bias else None
+                     for p in params] if any(p.logit_bias for p in params) else []),
     )

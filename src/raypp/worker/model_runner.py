@@ -138,6 +138,9 @@ class ModelRunner:
             assert previous is not None
             _feed_last_tokens(inputs.input_ids, previous[1], step.continue_rows)
         assert step.sampling is not None
+        if step.sampling.token_bitmask or step.sampling.logit_bias:  # RoundPolicy keeps them out
+            raise ValueError(f"step {step.step_id} is a decode round with token masks or logit "
+                             "biases, which only a FORWARD step applies")
         run = run_decode_steps(
             forward, inputs, SamplingTensors.build(step.sampling, self.device), step.num_steps,
             self.block_size)
