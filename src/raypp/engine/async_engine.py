@@ -125,6 +125,18 @@ class AsyncLLMEngine:
         self.engine.validate_prompt(token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """``ValueError`` if ``params`` cannot run on this model (safe off the loop thread:
+        it only reads the config)."""
+        self.engine.validate_params(params)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' grammar, if any, on the engine's compile thread (cached per
+        spec); the awaiting task waits, nothing else does. ``ValueError`` with the grammar
+        library's message if it rejects the spec."""
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.structured.submit(params.structured_outputs))
+
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream ``request_id``'s updates (cumulative text); see the module docstring."""

@@ -108,7 +108,11 @@ class StructuredOutputs:
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
-            import xgrammar
+            try:
+                import xgrammar
+            except ImportError:
+                raise ImportError("structured outputs need xgrammar: pip install "
+                                  "'raypp[structured]'") from None
 
             info = xgrammar.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
