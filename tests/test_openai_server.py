@@ -245,7 +245,7 @@ BAD = [
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', KEY, 400, None),
     ("wrong type", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"},
      KEY, 400, "max_tokens"),
-    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2},
+    ("best_of below n", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1},
      KEY, 400, "best_of"),
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "x"}, KEY, 404, "model"),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": list(range(300))},
