@@ -5,10 +5,10 @@ fields of :class:`~raypp.step.SamplingBatch`).
 What callers may rely on:
 
 - :func:`shape_logits` returns ``logits`` itself (untouched) when no row has a bias
-  or a mask; otherwise a float32 copy in which biased tokens have their bias added
-  and every token a row's mask does not allow is ``-inf`` (tokens past the mask's
-  length too). Rows with neither keep their values (upcast to float32, which changes
-  no order).
+  or a mask; otherwise a new float32 tensor in which biased tokens have their bias
+  added and every token a row's mask does not allow is ``-inf`` (tokens past the
+  mask's length too). Rows with neither keep their values (upcast to float32, which
+  changes no order). ``logits`` is never written (it may be a CUDA graph's output).
 - Plain torch ops, the same on CPU and CUDA: the host builds one byte tensor of the
   masks and one of the biases per step, each copied to the device once.
 
@@ -28,14 +28,17 @@ from raypp.step import SamplingBatch
 def shape_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits`` ``[rows, vocab]`` with ``batch``'s biases and masks applied (module
     docstring)."""
-    if not any(batch.logit_bias) and not any(m is not None for m in batch.token_bitmask):
+    masked = any(m is not None for m in batch.token_bitmask)
+    biased = any(batch.logit_bias)
+    if not masked and not biased:
         return logits
-    logits = logits.to(torch.float32, copy=True)
-    if any(batch.logit_bias):
-        add_logit_bias(logits, batch.logit_bias)
-    if any(m is not None for m in batch.token_bitmask):
-        apply_token_bitmask(logits, batch.token_bitmask)
-    return logits
+    # one new tensor, written once (torch.where), instead of a copy then an in-place fill
+    out = apply_token_bitmask(logits, batch.token_bitmask) if masked else logits.float().clone()
+    if out.dtype != torch.float32:
+        out = out.float()
+    if biased:
+        add_logit_bias(out, batch.logit_bias)
+    return out
 
 
 def add_logit_bias(logits: torch.Tensor,
@@ -57,25 +60,27 @@ def add_logit_bias(logits: torch.Tensor,
 def unpack_bitmask(packed: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[rows, vocab]`` bool: which tokens ``packed`` (``[rows, bytes]`` uint8, the
     bytes of the int32 bitmask) allows; tokens past its last bit are not allowed."""
-    # packed: [rows, nbytes] -> bits: [rows, nbytes * 8], bit j of byte i is token 8 i + j
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed[:, :, None] >> shifts).bitwise_and_(1).view(packed.shape[0], -1)
-    if bits.shape[1] >= vocab:
-        return bits[:, :vocab].bool()
-    allowed = torch.zeros(packed.shape[0], vocab, dtype=torch.bool, device=packed.device)
-    allowed[:, :bits.shape[1]] = bits.bool()
-    return allowed
+    # packed: [rows, nbytes] -> [rows, nbytes, 8] -> [rows, nbytes * 8]: bit j of byte i is token 8 i + j
+    bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8).to(packed.device,
+                                                                          non_blocking=True)
+    allowed = (packed[:, :, None] & bits).ne(0).view(packed.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    padded = torch.zeros(packed.shape[0], vocab, dtype=torch.bool, device=packed.device)
+    padded[:, :allowed.shape[1]] = allowed
+    return padded
 
 
-def apply_token_bitmask(logits: torch.Tensor, masks: list[bytes | None]) -> None:
-    """Set the logits of tokens a row's mask does not allow to ``-inf``, in place;
-    rows whose mask is ``None`` are left alone."""
+def apply_token_bitmask(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
+    """A new tensor: ``logits`` with the tokens a row's mask does not allow at ``-inf``
+    (rows whose mask is ``None`` copied as they are)."""
     rows = [r for r, m in enumerate(masks) if m is not None]
     data = bytearray(b"".join(masks[r] for r in rows))  # type: ignore[misc]
     host = torch.frombuffer(data, dtype=torch.uint8).view(len(rows), -1)
     allowed = unpack_bitmask(host.to(logits.device, non_blocking=True), logits.shape[1])
     if len(rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
+        return torch.where(allowed, logits, float("-inf"))
+    out = logits.clone()
     index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    out.index_copy_(0, index, torch.where(allowed, out.index_select(0, index), float("-inf")))
+    return out
