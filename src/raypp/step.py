@@ -43,6 +43,13 @@ with penalties: ``prompt`` (not ``None``) starts the sequence's history (its pro
 output empty), then its output tokens from index ``start`` on are ``tokens``; a
 sequence sampled again sends only the tokens it gained. ``finished_seq_ids`` drop
 histories too (:mod:`raypp.worker.penalty_history`).
+
+Structured outputs travel as masks, never as grammars: the driver advances each
+constrained sequence's grammar and sends, per sampled row, the packed bitmask of the
+tokens its grammar allows next (``SamplingBatch.token_bitmask``, one bit per vocabulary
+entry; :mod:`raypp.engine.structured`), and logit biases as ``(ids, biases)``; the last
+stage applies both before sampling (:mod:`raypp.worker.logits_processors`). Only
+``FORWARD`` steps carry them: such rows never join a decode round.
 """
 
 from __future__ import annotations
