@@ -146,9 +146,10 @@ def test_structured_outputs_params_need_exactly_one_valid_spec(bad):
 
 
 # -- on the pipeline ---------------------------------------------------------------------------
-@pytest.mark.parametrize("pp", [1, 2])
-def test_json_choice_and_regex_outputs_follow_their_grammar(ray_cluster, tiny_llama, pp):
-    with LLM(str(tiny_llama), pipeline_parallel_size=pp, kv_cache_memory_bytes=8 * 2**20) as llm:
+@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (1, 2)])
+def test_json_choice_and_regex_outputs_follow_their_grammar(ray_cluster, tiny_llama, pp, tp):
+    with LLM(str(tiny_llama), pipeline_parallel_size=pp, tensor_parallel_size=tp,
+             kv_cache_memory_bytes=8 * 2**20) as llm:
         prompts = [{"prompt_token_ids": p} for p in corpus_prompts(llm.get_tokenizer(), [5, 9, 3, 12])]
         params = [_params(0), _params(1.0, seed=1), _params(0.8, seed=2),
                   _params(0, spec=StructuredOutputsParams(choice=["yes please", "no", "maybe"]))]
