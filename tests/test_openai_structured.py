@@ -326,7 +326,8 @@ def test_documented_and_unknown_fields_are_accepted(served, caplog):
     with caplog.at_level(logging.DEBUG, logger="raypp.entrypoints.openai.serving"):
         for _ in range(2):
             r = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                model=MODEL, messages=[{"role": "developer", "content": "Be brief."},
+                                       {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
                 max_tokens=3, store=True, metadata={"k": "v"}, service_tier="auto", user="u",
                 parallel_tool_calls=True, prediction={"type": "content", "content": "x"},
                 prompt_cache_key="k", safety_identifier="s", reasoning_effort="low",

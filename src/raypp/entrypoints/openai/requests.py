@@ -268,6 +268,8 @@ class ChatMessage(_Body):
             out["tool_call_id"] = self.tool_call_id
         if self.role == "function":  # the deprecated form of a tool result
             out["role"] = "tool"
+        elif self.role == "developer":  # OpenAI's newer name for the system message
+            out["role"] = "system"
         return out
 
 
