@@ -68,7 +68,8 @@ class LLMEngine:
         self._restart_error = ""
         self._dead: str | None = None
         self.block_manager = self._new_block_manager()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
+                                   config.speculative_config)
         self.requests: dict[str, Request] = {}
         self.step_builder = StepBuilder(self.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer, set(config.model.eos_token_ids()),

@@ -47,7 +47,7 @@ class OutputProcessor:
         runs while the next micro-batch is on the device. Returns ``(sequences, text
         pending)``.
         """
-        self.scheduler.complete(batch)
+        self.scheduler.complete(batch, sampled=result.token_ids)
         sampled = [item.seq for item in batch.seqs if item.sample]
         assert len(sampled) == len(result.token_ids), (len(sampled), len(result.token_ids))
         logprobs = result.logprobs or [None] * len(sampled)
@@ -58,8 +58,9 @@ class OutputProcessor:
         for seq, tokens, row_logprobs in by_tokens:
             self._append_tokens(seq, tokens, row_logprobs)
         by_text = [row for row in rows if row[0].params.stop_strings]
-        for j in range(batch.num_steps if by_text else 0):
-            live = [row for row in by_text if row[0].status is SequenceStatus.RUNNING]
+        for j in range(max((len(row[1]) for row in by_text), default=0)):
+            live = [row for row in by_text
+                    if row[0].status is SequenceStatus.RUNNING and j < len(row[1])]
             for seq, tokens, row_logprobs in live:
                 self._append_tokens(seq, tokens[j:j + 1],
                                     row_logprobs[j:j + 1] if row_logprobs else None,

@@ -18,6 +18,19 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
+class DraftStats:
+    """One sequence's speculative decoding: its draft-length cap now, the adaptation's
+    state, and what it drafted and had accepted (:mod:`raypp.engine.speculative`)."""
+
+    cap: int  # the most tokens drafted for it next
+    misses: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # schedulings left without drafting
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0  # steps that verified a draft of it
+
+
+@dataclass
 class Sequence:
     """One completion being generated.
 
@@ -56,6 +69,7 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    draft_stats: DraftStats | None = None  # with speculative decoding on, once drafted for
     # incremental detokenization
     text: str = ""
     prefix_offset: int = 0
