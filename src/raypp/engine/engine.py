@@ -230,6 +230,11 @@ class LLMEngine:
         stats.steps += 1
         stats.tokens_processed += item.step.num_tokens * item.step.num_steps
         stats.tokens_generated = self.output_processor.tokens_generated
+        speculator = self.scheduler.rounds.speculator
+        if speculator is not None:
+            stats.spec_verifications = speculator.verifications
+            stats.spec_drafted_tokens = speculator.drafted
+            stats.spec_accepted_tokens = speculator.accepted
         stats.step_time_s += got - waited
         stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)

@@ -15,6 +15,7 @@ from typing import Any
 from raypp.engine import detokenizer
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence, SequenceStatus
+from raypp.engine.speculative import speculative_metrics
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.step import RowLogprobs, StepOutput
 
@@ -186,6 +187,11 @@ def request_output(request: Request) -> RequestOutput:
     metrics = {"arrival_time": request.arrival_time}
     if request.first_token_time is not None:
         metrics["first_token_time"] = request.first_token_time
+    drafts = [s.draft_stats for s in request.seqs if s.draft_stats is not None]
+    if drafts:
+        metrics.update(speculative_metrics(sum(d.verifications for d in drafts),
+                                           sum(d.drafted for d in drafts),
+                                           sum(d.accepted for d in drafts)))
     return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                          completions, request.finished, metrics, request.error,
                          request.error_kind, request.seqs[0].num_cached_tokens or 0)

@@ -39,6 +39,18 @@ MISSES_BEFORE_PAUSE = 3
 PAUSE_SCHEDULINGS = 8
 
 
+def speculative_metrics(verifications: int, drafted: int, accepted: int) -> dict[str, float]:
+    """The counters, the acceptance rate (accepted / drafted tokens) and the mean accepted
+    length (tokens a verification step emits: its accepted drafts and one more, the
+    definition vLLM reports), under the names ``RequestOutput.metrics`` and the
+    benchmarks use."""
+    return {"spec_verifications": verifications, "spec_drafted_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_mean_accepted_length": round(1 + accepted / verifications, 4)
+            if verifications else 0.0}
+
+
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last ``n`` tokens, for ``n`` from ``max_n`` down to ``min_n``."""
@@ -70,7 +82,8 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.adaptive = config.adaptive
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.drafted = 0  # tokens drafted and verified, since start-up
+        self.verifications = 0  # rows verified with a draft, since start-up
+        self.drafted = 0  # tokens drafted and verified
         self.accepted = 0  # of which accepted
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
@@ -91,6 +104,7 @@ class Speculator:
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``seq`` accepted ``accepted`` of its ``drafted`` tokens."""
+        self.verifications += 1
         self.drafted += drafted
         self.accepted += accepted
         stats = seq.draft_stats

@@ -6,7 +6,8 @@ its last ``d + 1`` positions are verified: position ``j`` (``0 .. d``) is sample
 the ``output_index + j``-th token, with the same counter-based noise an unspeculated
 run uses for that token (:mod:`raypp.worker.sampler`). Draft ``j`` is accepted while
 every sample before it was and sample ``j`` equals it; the row returns its ``a``
-accepted drafts and sample ``a``: exactly the tokens decoding one at a time samples.
+accepted drafts and sample ``a``: exactly the tokens decoding one at a time samples
+(the accepted drafts equal the samples at their positions).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def verify(logits: torch.Tensor, step: ResolvedStep
     i = 0
     for draft in drafts_of(step):
         samples = tokens[i:i + len(draft) + 1]
-        keep = accepted_count(samples, draft) + 1
-        out_tokens.append(samples[:keep])
+        accepted = accepted_count(samples, draft)
+        keep = accepted + 1
+        out_tokens.append(draft[:accepted] + [samples[accepted]])
         row = logprobs[i:i + keep]
         out_logprobs.append(None if row[0] is None else list(row))  # type: ignore[arg-type]
         i += len(draft) + 1
