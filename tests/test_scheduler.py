@@ -27,6 +27,7 @@ from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
 from raypp.engine.step_builder import StepBuilder
 from raypp.sampling_params import SamplingParams
+from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
 from raypp.worker.block_tables import BlockTableMirror
 
@@ -55,7 +56,7 @@ class FakePipeline:
             extra = ahead[seq.seq_id] if ahead else []
             start = item.start
             assert len(extra) == start - seq.num_computed_tokens  # sampled in flight before
-            tokens = list(seq.all_token_ids) + extra
+            tokens = list(seq.all_token_ids) + extra + item.draft  # drafts: fed, unconfirmed
             end = start + item.num_tokens
             out = []
             for _ in range(batch.num_steps):
@@ -69,6 +70,13 @@ class FakePipeline:
                     assert self.cache.get(slot) == tuple(tokens[:pos + 1]), (
                         "cache holds another prefix")
                 if not item.sample:
+                    break
+                if item.draft:  # verify: the target samples every drafted position
+                    first = end - len(item.draft)
+                    samples = [_next_token(tokens[:p]) for p in range(first, end + 1)]
+                    accepted = next((j for j, t in enumerate(item.draft) if samples[j] != t),
+                                    len(item.draft))
+                    out.extend(samples[:accepted + 1])
                     break
                 out.append(_next_token(tokens[:end]))
                 tokens.append(out[-1])
@@ -89,14 +97,32 @@ def _sized(**limits) -> SchedulerConfig:
     return SchedulerConfig(**limits).size_for("cpu")
 
 
+class TruthfulFor:
+    """A test proposer: the true continuation for a number of tokens that the context
+    picks (0 .. k), then a wrong token."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        good, out = hash(tuple(tokens)) % (k + 1), []
+        for _ in range(k):
+            out.append(_next_token(tokens + out))
+        if good < k:
+            out[good] = (out[good] + 1) % 97
+        return out
+
+
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
-              arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=()):
-    """Run every request to its end; ``aborts``: (step, request index) pairs."""
+              arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=(), speculate=0):
+    """Run every request to its end; ``aborts``: (step, request index) pairs;
+    ``speculate``: draft up to that many tokens per decode row (a proposer right for
+    some of them)."""
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = _sized(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
                     max_inflight=inflight, num_decode_steps=decode_steps,
                     async_scheduling=rounds_ahead)
-    sched = Scheduler(config, blocks, max_model_len=10_000)
+    spec = SpeculativeConfig(num_speculative_tokens=speculate) if speculate else None
+    sched = Scheduler(config, blocks, max_model_len=10_000, speculative=spec)
+    if spec is not None:
+        sched.rounds.speculator.proposer = TruthfulFor()
     pipe = FakePipeline(blocks)
     # lean steps: the builder sends block-table changes, a stage's mirror resolves them
     builder, mirror = StepBuilder(sched), BlockTableMirror(block_size)
@@ -141,7 +167,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             by_seq = {s.seq.seq_id: row for s, row in zip(batch.seqs, tokens)}
             queue.append((nxt, submit(nxt, by_seq)))
             continuations += 1
-        sched.complete(batch)
+        sched.complete(batch, sampled=tokens)
         for seq, row in zip([s.seq for s in batch.seqs if s.sample], tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished while a continuation was in flight
@@ -196,17 +222,18 @@ def _check_blocks(sched: Scheduler, blocks: BlockManager, pipe: FakePipeline) ->
     spare_blocks=st.integers(0, 20),
     decode_steps=st.sampled_from([1, 1, 2, 5, 8]),
     rounds_ahead=st.booleans(),
+    speculate=st.sampled_from([0, 0, 1, 3]),
 )
 def test_scheduler_outputs_are_independent_of_scheduling(data, block_size, inflight, max_seqs,
                                                          step_tokens, spare_blocks, decode_steps,
-                                                         rounds_ahead):
+                                                         rounds_ahead, speculate):
     prompts = [[(7 * i + j) % 50 for j in range(n)] for i, (n, _, _) in enumerate(data)]
     max_tokens = [m for _, m, _ in data]
     arrivals = sorted(a for _, _, a in data)
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // block_size) + spare_blocks
     _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, step_tokens,
-              arrivals, decode_steps, rounds_ahead)
+              arrivals, decode_steps, rounds_ahead, speculate=speculate)
 
 
 def test_tight_budget_preempts_and_still_matches():
@@ -374,9 +401,11 @@ def _family_prompts(data: list[tuple[int, int, int]]) -> list[list[int]]:
     decode_steps=st.sampled_from([1, 1, 2, 5]),
     rounds_ahead=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
+    speculate=st.sampled_from([0, 0, 2]),
 )
 def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_seqs, step_tokens,
-                                               spare_blocks, decode_steps, rounds_ahead, aborts):
+                                               spare_blocks, decode_steps, rounds_ahead, aborts,
+                                               speculate):
     """Shared prefixes, identical prompts, preemption, eviction, aborts in flight,
     multi-step and asynchronous rounds: the cache only ever supplies the right KV."""
     prompts = _family_prompts([(f, shared, own) for f, shared, own, _, _ in data])
@@ -386,7 +415,8 @@ def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // block_size) + spare_blocks
     sched, _ = _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs,
-                         step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts)
+                         step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts,
+                         speculate=speculate)
     assert sched.prefix_cache_hits <= sched.prefix_cache_queries
 
 
@@ -550,3 +580,20 @@ def test_round_policy_marks_rounds_only_where_the_stage_can_loop():
         assert batch.mode is mode and batch.seqs[0].start == 3
         nxt = sched.continue_batch(batch)
         assert (nxt is not None) is (mode is StepMode.DECODE_ROUND)
+
+
+def test_speculation_accepts_and_rejects_without_changing_outputs():
+    """Drafts partly right: accepted ones count as computed, rejected ones' KV is
+    overwritten in place (the fake pipeline's reads would see it otherwise); with a tight
+    cache, drafts are dropped rather than preempting anyone."""
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(6)]
+    max_tokens = [30, 7, 19, 25, 11, 30]
+    sched, _ = _simulate(prompts, max_tokens, num_blocks=60, block_size=4, inflight=2,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0, 0, 0, 2, 4, 6], speculate=3)
+    spec = sched.rounds.speculator
+    assert spec.drafted > spec.accepted > 0
+    tight, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0] * 6, speculate=3)
+    plain, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0] * 6)
+    assert tight.num_preemptions <= plain.num_preemptions

@@ -14,6 +14,7 @@ import torch
 from raypp import envs
 from raypp.fault_spec import FaultSpec
 from raypp.model_config import ModelConfig
+from raypp.speculative_config import SpeculativeConfig
 
 _CONTROL_PLANES = ("cgraph", "direct")
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -251,6 +252,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     device: str = "auto"
+    # speculative decoding (a dict is taken as SpeculativeConfig's fields); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -274,6 +277,7 @@ class EngineConfig:
                    runtime=RuntimeConfig(**parts[RuntimeConfig]), **parts[cls])
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check_choice("device", self.device, ("cpu", "cuda"))
@@ -327,7 +331,7 @@ def _option_owners() -> dict[str, type]:
     owners = {f.name: c for c in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig,
                                   RuntimeConfig) for f in fields(c) if f.init}
     del owners["model"]  # from_kwargs's own argument
-    return {**owners, "device": EngineConfig}
+    return {**owners, "device": EngineConfig, "speculative_config": EngineConfig}
 
 
 def _unknown_options(unknown: list[str], known: list[str]) -> str:

@@ -15,6 +15,12 @@ How a stage runs a step is said by one explicit field, ``mode`` (:class:`StepMod
 decided by the engine's scheduler (:mod:`raypp.engine.rounds`); no stage re-derives it:
 
 - ``FORWARD``: one forward pass; the last stage samples the rows in ``sample_rows``.
+- ``VERIFY``: a ``FORWARD`` some of whose sampled rows end in drafted tokens
+  (speculative decoding): sampled row ``r``'s last ``draft_lens[r]`` input tokens are a
+  draft; the last stage samples the target at the draft's positions and the one before
+  them, accepts the draft while it equals those samples, and returns the accepted
+  tokens plus the first sample that differs (or the one after the draft)
+  (:mod:`raypp.worker.verifier`).
 - ``DECODE_ROUND`` (a one-stage pipeline only): every row feeds one token and samples
   the next, ``num_steps`` times back to back, each sampled token fed back as the next
   input on the device; the last step's tokens stay on the device. A round that
@@ -67,6 +73,7 @@ class StepMode(enum.Enum):
 
     FORWARD = "forward"
     DECODE_ROUND = "decode_round"
+    VERIFY = "verify"
 
 
 @dataclass
@@ -126,6 +133,8 @@ class StepInput:
     penalty_history_updates: list[tuple[int, list[int] | None, int, list[int]]] = field(
         default_factory=list)
     mode: StepMode = StepMode.FORWARD
+    # VERIFY only: per sampled row, how many of its last input tokens are drafted
+    draft_lens: list[int] = field(default_factory=list)
     # DECODE_ROUND only: decode steps to run back to back
     num_steps: int = 1
     # DECODE_ROUND only: step id of the round this one continues; input id r is that
@@ -190,7 +199,8 @@ class RowLogprobs:
 
 @dataclass
 class StepOutput:
-    """What the last stage returns: per sampled row, its ``num_steps`` sampled ids.
+    """What the last stage returns: per sampled row, its ``num_steps`` sampled ids (a
+    VERIFY row: its accepted drafted ids and one more).
 
     ``logprobs`` is empty or has one entry per row: ``None`` where not asked for,
     else one :class:`RowLogprobs` per sampled id.

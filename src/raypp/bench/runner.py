@@ -70,6 +70,27 @@ def _warm_up(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], 
     engine.reset_prefix_cache()
 
 
+class _SpeculationDelta:
+    """Speculative decoding's counters from construction to :meth:`stop` (``None`` with
+    speculation off)."""
+
+    def __init__(self, engine: Any):
+        self.stats = engine.stats
+        self.on = engine.config.speculative_config is not None
+        self.start = self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        s = self.stats
+        return s.spec_verifications, s.spec_drafted_tokens, s.spec_accepted_tokens
+
+    def stop(self) -> dict[str, Any] | None:
+        if not self.on:
+            return None
+        from raypp.engine.speculative import speculative_metrics
+
+        return speculative_metrics(*(b - a for a, b in zip(self.start, self._now())))
+
+
 class _PrefixCacheDelta:
     """The prefix cache's lookups and hits (prompt tokens) from construction to :meth:`stop`."""
 
@@ -162,6 +183,7 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         engine.trace_steps = True
         load_at_start = load_avg()
         prefix_cache = _PrefixCacheDelta(engine)
+        speculation = _SpeculationDelta(engine)
         meter.start()
         with tqdm(total=len(requests), desc="bench throughput", dynamic_ncols=True,
                   disable=args.no_progress) as bar:
@@ -172,7 +194,8 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
                   **throughput_numbers(requests, stats),
                   "ttft_ms": ms_summary(stats.ttft_s), "tpot_ms": ms_summary(stats.tpot_s),
                   "step_ms": step_summary(stats.step_times),
-                  "prefix_cache": prefix_cache.stop(), "cpu": cpu,
+                  "prefix_cache": prefix_cache.stop(), "speculative": speculation.stop(),
+                  "cpu": cpu,
                   "nice": {name: _nice(pid) for name, pid in pids.items()},
                   "load_avg_at_start": load_at_start}
         _attach_timeline(args, engine, recorder, result, "throughput")

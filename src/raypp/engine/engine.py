@@ -70,7 +70,8 @@ class LLMEngine:
         self._restart_error = ""
         self._dead: str | None = None
         self.block_manager = self._new_block_manager()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
+                                   config.speculative_config)
         self.requests: dict[str, Request] = {}
         # structured outputs: grammars compile off this thread; a request waits here
         # (not yet scheduled) until its grammar is ready
@@ -280,6 +281,11 @@ class LLMEngine:
         stats.steps += 1
         stats.tokens_processed += item.step.num_tokens * item.step.num_steps
         stats.tokens_generated = self.output_processor.tokens_generated
+        speculator = self.scheduler.rounds.speculator
+        if speculator is not None:
+            stats.spec_verifications = speculator.verifications
+            stats.spec_drafted_tokens = speculator.drafted
+            stats.spec_accepted_tokens = speculator.accepted
         stats.step_time_s += got - waited
         stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)

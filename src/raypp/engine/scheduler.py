@@ -26,18 +26,20 @@ from raypp.engine.block_manager import BlockManager
 from raypp.engine.micro_batch import MicroBatch, ScheduledSeq
 from raypp.engine.rounds import RoundPolicy
 from raypp.engine.sequence import Sequence, SequenceStatus
+from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
 
 __all__ = ["MicroBatch", "ScheduledSeq", "Scheduler"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 speculative: SpeculativeConfig | None = None):
         if None in (config.max_num_seqs, config.max_num_batched_tokens, config.max_inflight,
                     config.num_decode_steps):
             raise ValueError("the scheduler's limits are unset: SchedulerConfig.size_for(device)")
         self.config = config
-        self.rounds = RoundPolicy(config)
+        self.rounds = RoundPolicy(config, speculative)
         self.num_inflight_batches = 0  # scheduled, not yet completed
         self.blocks = block_manager
         self.max_model_len = max_model_len
@@ -91,12 +93,15 @@ class Scheduler:
             if seq.in_flight or seq.status is not SequenceStatus.RUNNING:
                 continue
             n = self._chunk(seq, token_budget)
-            if not self._reserve(seq, n, chosen):
+            draft = self._draft(seq, token_budget) if n == seq.num_uncomputed_tokens == 1 else []
+            if draft and not self.blocks.can_allocate(seq, seq.num_tokens + len(draft)):
+                draft = []  # drafts never preempt anyone
+            if not self._reserve(seq, n + len(draft), chosen):
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # preempted itself
                 break
-            chosen.append(self._item(seq, n))
-            token_budget -= n
+            chosen.append(self._item(seq, n, draft))
+            token_budget -= n + len(draft)
 
         while self.waiting and len(chosen) < seq_cap and token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -152,10 +157,17 @@ class Scheduler:
         return self._launch(MicroBatch(items, steps, StepMode.DECODE_ROUND, continues=batch))
 
     @staticmethod
-    def _item(seq: Sequence, n: int) -> ScheduledSeq:
-        """``seq`` feeding its next ``n`` tokens (it is not in flight)."""
+    def _item(seq: Sequence, n: int, draft: list[int] | None = None) -> ScheduledSeq:
+        """``seq`` feeding its next ``n`` tokens and ``draft`` (it is not in flight)."""
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, start + n == seq.num_tokens)
+        draft = draft or []
+        return ScheduledSeq(seq, start, n + len(draft), start + n == seq.num_tokens, draft)
+
+    def _draft(self, seq: Sequence, token_budget: int) -> list[int]:
+        """Drafted tokens for decode row ``seq``: no more than the step's token budget
+        leaves beside its own token, nor than fit its length limits with the extra
+        token a verification samples."""
+        return self.rounds.draft(seq, min(token_budget - 1, self.room(seq) - 1))
 
     def _launch(self, batch: MicroBatch) -> MicroBatch:
         """Count ``batch`` in flight, and each sequence's positions it feeds."""
@@ -236,11 +248,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- results --------------------------------------------------------------------------
-    def complete(self, batch: MicroBatch, ok: bool = True) -> None:
+    def complete(self, batch: MicroBatch, ok: bool = True,
+                 sampled: list[list[int]] | None = None) -> None:
         """Mark a micro-batch's tokens as computed (before appending sampled tokens)
         and offer the blocks this fills to the prefix cache; ``ok=False``: the step
         failed (or was never submitted), nothing it fed counts as computed. Every
         micro-batch scheduled here must be completed, once, in submission order.
+        ``sampled``: the step's tokens per sampled row (``StepOutput.token_ids``),
+        needed where rows drafted: a row that returns ``a + 1`` tokens had ``a`` of its
+        drafted tokens accepted, and only those count as computed.
 
         After ``k`` decode steps a sequence's input token and the first ``k - 1``
         sampled ones are in the cache; the last sampled one is not.
@@ -250,10 +266,17 @@ class Scheduler:
             self.rounds.observe(batch)
         block_size = self.blocks.block_size
         caching = self.blocks.enable_caching
+        rows = iter(sampled or ())
         for item in batch.seqs:
             seq, span = item.seq, batch.span(item)
             seq.num_inflight_tokens = max(0, seq.num_inflight_tokens - span)
+            tokens = next(rows, None) if item.sample and sampled is not None else None
             if ok and seq.status is SequenceStatus.RUNNING:
+                if item.draft:
+                    assert tokens is not None, "a verification's result is needed"
+                    accepted = len(tokens) - 1
+                    self.rounds.observe_draft(seq, len(item.draft), accepted)
+                    span -= len(item.draft) - accepted  # rejected positions recompute
                 seq.num_computed_tokens += span
                 # most decode steps fill no block: skip the call (this runs per row per step)
                 if caching and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:

@@ -28,6 +28,10 @@ class EngineStats:
     max_step_wait_s: float = 0.0  # longest single wait for a step result
     overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
     rounds_ahead: int = 0  # decode rounds submitted before the round they continue was read
+    # speculative decoding: rows verified with a draft, tokens drafted, of which accepted
+    spec_verifications: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # the load at one moment: filled by snapshot()
     running: int = 0  # requests with at least one sequence running
     waiting: int = 0  # requests queued, none of their sequences running yet

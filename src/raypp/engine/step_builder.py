@@ -22,7 +22,7 @@ import itertools
 from raypp.engine import structured
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence
-from raypp.step import SamplingBatch, StepInput
+from raypp.step import SamplingBatch, StepInput, StepMode
 
 
 class StepBuilder:
@@ -42,6 +42,7 @@ class StepBuilder:
     def build(self, batch: MicroBatch) -> StepInput:
         """The step of ``batch`` (which gets its ``step_id``)."""
         ids, query_start, seq_lens, seq_ids, rows = [], [0], [], [], []
+        draft_lens: list[int] = []  # per sampled row of a VERIFY step
         sampled: list[tuple[Sequence, int]] = []  # (sequence, output index sampled)
         drops = self._drain_drops()
         updates = []
@@ -54,7 +55,8 @@ class StepBuilder:
             if continued is not None:  # the stage feeds the previous round's last tokens
                 ids.append(0)
             else:
-                ids.extend(seq.token_ids(start, end))
+                ids.extend(seq.token_ids(start, end - len(item.draft)))
+                ids.extend(item.draft)
             query_start.append(len(ids))
             seq_lens.append(end)
             seq_id, table = seq.seq_id, seq.block_table
@@ -68,7 +70,9 @@ class StepBuilder:
                 held[seq_id] = (seq.block_epoch, len(table))
             if item.sample:
                 rows.append(len(ids) - 1)
-                sampled.append((seq, end - len(seq.prompt_token_ids)))
+                sampled.append((seq, item.first_sampled - len(seq.prompt_token_ids)))
+                if batch.mode is StepMode.VERIFY:
+                    draft_lens.append(len(item.draft))
                 if seq.params.uses_penalties:
                     self._add_history(seq, histories)
         continue_rows = []
@@ -88,6 +92,7 @@ class StepBuilder:
             finished_seq_ids=drops,
             penalty_history_updates=histories,
             mode=batch.mode,
+            draft_lens=draft_lens,
             num_steps=batch.num_steps,
             continues=None if continued is None else continued.step_id,
             continue_rows=continue_rows,

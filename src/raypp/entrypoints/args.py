@@ -70,6 +70,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
                         help="longest wait for one pipeline step before it counts as hung "
                              "(default: RAYPP_STEP_TIMEOUT_S, 60)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (default: off)')
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _layer_partition(text: str) -> list[int]:
@@ -108,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "step_timeout_s": args.step_timeout_s,
         "workers_per_gpu": args.workers_per_gpu,
         "cpu_threads": args.cpu_threads,
+        "speculative_config": args.speculative_config,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
