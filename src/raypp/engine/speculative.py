@@ -15,10 +15,11 @@ the accepted positions as computed, so nothing rolls back but that count.
 
 Which rows draft, and how many tokens, is decided here for the round policy
 (:mod:`raypp.engine.rounds`): rows with penalties, a grammar or a logit bias never
-draft (a later position's penalties or token mask would depend on unaccepted tokens); a sequence's cap grows by one after a
-draft accepted whole and falls to one more than the accepted count otherwise; after
-``MISSES_BEFORE_PAUSE`` verifications in a row that accept nothing, it drafts nothing
-for ``PAUSE_SCHEDULINGS`` schedulings, then tries again.
+draft (a later position's penalties or token mask would depend on unaccepted tokens);
+a sequence's cap grows by one after a draft accepted whole and falls to one more than
+the accepted count otherwise; after ``MISSES_BEFORE_PAUSE`` verifications in a row
+that accept nothing, it drafts nothing for ``PAUSE_SCHEDULINGS`` schedulings, then
+tries again.
 
 Proposers: :class:`NgramProposer` (prompt lookup) runs here. A draft model would run
 on the first stage's worker (its own KV blocks beside the target's, indexed by the
