@@ -235,3 +235,20 @@ def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray
         assert llm.engine.stats.spec_accepted_tokens > 0
         blocks = llm.engine.block_manager
         assert blocks.num_free == blocks.num_blocks and llm.is_healthy()
+
+
+def test_constrained_and_biased_rows_ride_along_in_verify_steps(ray_cluster, tiny_llama):
+    """A regex-constrained request and a logit-biased one never draft, but share VERIFY
+    steps with rows that do: every output equals the same engine's without speculation."""
+    params = [GREEDY, GREEDY,
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "[a-z ]{4,30}"}),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={7: 8.0})]
+    outs = {}
+    for spec in (None, NGRAM):
+        with LLM(str(tiny_llama), max_num_seqs=4, speculative_config=spec) as llm:
+            prompts = _prompts(llm)
+            outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            if spec:
+                assert llm.engine.stats.spec_accepted_tokens > 0
+    assert outs[True] == outs[False]
