@@ -73,7 +73,8 @@ def test_speculative_config_errors_name_the_problem(tiny_llama):
              ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of"),
              ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
               "prompt_lookup_min <= prompt_lookup_max"),
-             ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs 'model'")]
+             ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs 'model'"),
+             ({"num_speculative_tokens": 2, "model": "small"}, "'draft_model' is not available")]
     for value, message in cases:
         with pytest.raises(ValueError, match=message):
             EngineConfig.from_kwargs(model, speculative_config=value)

@@ -278,6 +278,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' is not available yet: "
+                             "use 'ngram'")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check_choice("device", self.device, ("cpu", "cuda"))
