@@ -71,7 +71,7 @@ class LLMEngine:
         self._dead: str | None = None
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
-                                   config.speculative_config)
+                                   config.speculative_config, config.model.hidden_size)
         self.requests: dict[str, Request] = {}
         # structured outputs: grammars compile off this thread; a request waits here
         # (not yet scheduled) until its grammar is ready

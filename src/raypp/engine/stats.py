@@ -39,6 +39,7 @@ class EngineStats:
     kv_blocks_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int = 0  # of which found there
+    prefill_chunks_overlapped: int = 0  # prompt chunks that entered while earlier ones were in flight
 
     def snapshot(self, scheduler: Scheduler, num_requests: int) -> EngineStats:
         """A copy of these counters with the load of ``scheduler`` (and its block
@@ -48,4 +49,5 @@ class EngineStats:
             self, running=running, waiting=max(0, num_requests - running),
             kv_blocks_used=scheduler.blocks.num_used, kv_blocks_total=scheduler.blocks.num_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits)
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            prefill_chunks_overlapped=scheduler.num_overlapped_chunks)
