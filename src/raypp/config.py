@@ -225,6 +225,7 @@ class RuntimeConfig:
     trace_comm: bool | None = None
     fault_inject: str | None = None
     cpu_threads: int | None = None  # 0: the host's cores over the stage workers
+    stats_interval_s: float | None = None  # the engine's periodic log and occupancy window
 
     def __post_init__(self) -> None:
         defaults = {
@@ -241,11 +242,12 @@ class RuntimeConfig:
             "trace_comm": envs.RAYPP_TRACE_COMM,
             "fault_inject": envs.RAYPP_FAULT_INJECT or None,
             "cpu_threads": envs.RAYPP_CPU_THREADS,
+            "stats_interval_s": envs.RAYPP_STATS_INTERVAL_S,
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s"):
+        for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows", "cpu_threads"):

@@ -1,9 +1,11 @@
 """Continuous batching: forms one micro-batch per free pipeline slot.
 
 FCFS. Each call to :meth:`Scheduler.schedule` forms a micro-batch while fewer than
-``max_inflight`` are in flight, from sequences that are not already in flight: running
-sequences first (one decode token, or the next chunk of a long prompt), then waiting
-ones while the token, sequence and block budgets allow. A waiting sequence starts with
+``max_inflight`` are in flight: decode rows of running sequences not in flight first
+(at most ``ceil(decodes / max_inflight)``, so decodes spread evenly over the
+micro-batches), then the next chunks of running prompts, then waiting sequences while
+the token, sequence and block budgets allow (prefills are never held back by the
+decode cap). A waiting sequence starts with
 the longest run of its leading blocks the prefix cache holds and computes from the
 first token after them (always at least its last token). When blocks run out a running
 sequence is preempted by recompute (its blocks are freed, the computed ones staying
@@ -11,8 +13,10 @@ cached, and it re-enters the waiting queue at the front; its output so far is ke
 the result is identical to an unpreempted run). Cached blocks nobody uses count as
 free: taking one evicts it. A sequence is never in two micro-batches at once, except
 that :meth:`Scheduler.continue_batch` may put a decode round's sequences into their
-next round while the current one runs (asynchronous scheduling); results are completed
-in submission order. Which micro-batches are decode rounds, of how many steps, and
+next round while the current one runs (asynchronous scheduling), and that a prompt's
+next chunk may enter while its earlier chunks are in flight (chunked pipeline prefill,
+:mod:`raypp.engine.chunking`, which says why their KV stays right); results are
+completed in submission order. Which micro-batches are decode rounds, of how many steps, and
 when one is continued is :mod:`raypp.engine.rounds`'s policy, applied here; what each
 sequence has in flight is its ``num_inflight_tokens``.
 """
