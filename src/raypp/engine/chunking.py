@@ -10,9 +10,14 @@ executes its submissions in order on each actor; on the direct plane each worker
 loop takes steps from its queue in order), so chunk ``k`` has written its KV on a stage
 before chunk ``k + 1`` attends over it there. The driver counts a chunk's tokens as
 computed only when its result returns, in submission order, so the prefix cache
-registers only blocks whose KV every stage holds; a chunk in flight is never
-preempted (its sequence is in flight); a failed chunk fails its request, and chunks of
-it still in flight are dropped on return.
+registers only blocks whose KV every stage holds (a cached prefix is skipped, the rest
+chunked after it); a chunk in flight is never preempted (its sequence is in flight); a
+failed chunk fails its request, and chunks of it still in flight are dropped on return
+(their sequence is no longer running). Decode rounds (multi-step, or continued ahead
+with asynchronous scheduling) hold only decode rows, never a prompt chunk, and go
+through the same ordered queues. When a stage dies, every micro-batch in flight fails
+together and the new stages hold no KV: a re-queued prompt is prefilled again from its
+start (or from what the prefix cache of the new stages holds, nothing at first).
 
 Sizes: at most ``long_prefill_chunk_tokens`` (default with pipelined prefill: the step's
 token budget over the stages, so a prompt that fills a step spreads over every stage),
