@@ -143,6 +143,8 @@ class StepInput:
     continue_rows: list[int] = field(default_factory=list)
     # test-only tracing: stages record compute intervals when set
     trace: bool = False
+    # when the driver submitted it (wall clock; 0: unknown): stages count their wait for input
+    submitted_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -121,6 +121,14 @@ def comparison(result: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def occupancy_line(stages: list[dict[str, Any]]) -> str:
+    """Each stage's busy, bubble and idle shares, wait per step and tokens per step."""
+    return "; ".join(
+        f"stage {w['stage']} busy {100 * w['busy']:.0f}% (waiting for input "
+        f"{100 * w['bubble']:.0f}%, idle {100 * w['idle']:.0f}%, {w['mean_wait_ms']:.2f} ms "
+        f"wait/step, {w['tokens_per_step']:.1f} tokens/step)" for w in stages)
+
+
 def print_summary(r: dict[str, Any]) -> None:
     lines = [
         f"{r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
@@ -144,6 +152,8 @@ def print_summary(r: dict[str, Any]) -> None:
                       f"{sp['spec_drafted_tokens']} drafted tokens accepted "
                       f"({100 * sp['spec_acceptance_rate']:.1f}%), mean accepted length "
                       f"{sp['spec_mean_accepted_length']:.2f} tokens per verification")
+    if r.get("stage_occupancy"):
+        lines.append("stage occupancy: " + occupancy_line(r["stage_occupancy"]))
     if "step_ms" in r:
         for kind in ("prefill", "decode"):
             wall = r["step_ms"][kind]["wall_ms"]

@@ -90,7 +90,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._last_step_failed = False
-        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests),
+                                          engine.occupancy.latest)
         self._collect_stage_times = collect_stage_times
         self._stage_times: deque[tuple[int, float]] = deque(maxlen=10_000)
         self._last_stage_drain = time.monotonic()
@@ -292,7 +293,8 @@ class AsyncLLMEngine:
 
     def _publish(self, idle: bool) -> None:
         engine = self.engine
-        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests),
+                                          engine.occupancy.latest)
         if not idle:
             self._steps_since_drain += 1
         if self._collect_stage_times and self._steps_since_drain:

@@ -26,6 +26,7 @@ from typing import Any
 from raypp.config import EngineConfig
 from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
+from raypp.engine.occupancy import OccupancyMonitor
 from raypp.engine.output_processor import OutputProcessor, request_output
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
@@ -71,8 +72,10 @@ class LLMEngine:
         self._dead: str | None = None
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
-                                   config.speculative_config)
+                                   config.speculative_config, config.model.hidden_size)
         self.requests: dict[str, Request] = {}
+        self.occupancy = OccupancyMonitor(lambda: self.executor.occupancy(),
+                                          config.runtime.stats_interval_s)
         # structured outputs: grammars compile off this thread; a request waits here
         # (not yet scheduled) until its grammar is ready
         self.structured = StructuredOutputs(self.tokenizer, config.model.vocab_size,
@@ -289,6 +292,8 @@ class LLMEngine:
         stats.step_time_s += got - waited
         stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
+        self.occupancy.tick(bool(self.requests), lambda: stats.snapshot(
+            self.scheduler, len(self.requests)).summary())
         return outputs
 
     def _fill_pipeline(self) -> None:
@@ -308,6 +313,7 @@ class LLMEngine:
     def _launch(self, batch: MicroBatch) -> None:
         """Build and submit ``batch``; if submitting fails, it is completed as failed."""
         step = self.step_builder.build(batch)
+        step.submitted_at = time.time()
         try:
             handle = self.executor.submit(step)
         except BaseException:
@@ -385,6 +391,7 @@ class LLMEngine:
         # use: failed requests were finished and the running ones requeued)
         self.block_manager = self.scheduler.blocks = self._new_block_manager()
         self.step_builder.reset()  # nor do they hold any block table
+        self.occupancy.reset()
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
         return True

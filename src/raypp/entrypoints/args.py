@@ -44,6 +44,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="submit a decode batch's next multi-step round "
                         "before reading the current one (pp=1; default on)")
+    parser.add_argument("--pipelined-prefill", action=argparse.BooleanOptionalAction,
+                        default=None, help="pp > 1: a long prompt's next chunk enters the "
+                        "pipeline while its earlier chunks are still in it (default on)")
+    parser.add_argument("--long-prefill-chunk-tokens", type=int, default=None,
+                        help="most tokens of one prompt per step (default: the step budget, "
+                             "over the stages with pipelined prefill)")
+    parser.add_argument("--balanced-prefill-chunks", action=argparse.BooleanOptionalAction,
+                        default=None, help="later prompt chunks shrink as their context "
+                        "grows, for even stage times (default on)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of prompt prefixes seen before "
                         "(default on; --no-enable-prefix-caching turns it off)")
@@ -115,6 +124,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
         "num_decode_steps": args.num_decode_steps,
         "async_scheduling": args.async_scheduling,
+        "pipelined_prefill": args.pipelined_prefill,
+        "long_prefill_chunk_tokens": args.long_prefill_chunk_tokens,
+        "balanced_prefill_chunks": args.balanced_prefill_chunks,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,

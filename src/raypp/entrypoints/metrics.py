@@ -79,6 +79,18 @@ class ServerMetrics:
                 "raypp_spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r),
         }
         self._spec_seen = dict.fromkeys(self.spec, 0)
+        self.stage_occupancy = {  # the latest window per stage (raypp.engine.occupancy)
+            "busy": Gauge("raypp_stage_busy_fraction", "Share of the latest window a stage "
+                          "spent computing", ["stage"], registry=r),
+            "bubble": Gauge("raypp_stage_bubble_fraction", "Share of the latest window a stage "
+                            "waited for the input of a submitted step", ["stage"], registry=r),
+            "idle": Gauge("raypp_stage_idle_fraction", "Share of the latest window a stage was "
+                          "not computing (bubbles included)", ["stage"], registry=r),
+            "mean_wait_ms": Gauge("raypp_stage_mean_input_wait_milliseconds", "Mean wait for a "
+                                  "step's input in the latest window", ["stage"], registry=r),
+            "tokens_per_step": Gauge("raypp_stage_tokens_per_step", "Mean tokens fed per step "
+                                     "in the latest window", ["stage"], registry=r),
+        }
         self.stage_step = Histogram(
             "raypp_stage_step_seconds", "Compute time of one micro-batch on one pipeline stage",
             ["stage"], buckets=_STEP_BUCKETS, registry=r)
@@ -98,6 +110,9 @@ class ServerMetrics:
             value = getattr(stats, name)
             counter.inc(max(0, value - self._spec_seen[name]))
             self._spec_seen[name] = value
+        for window in stats.stage_occupancy:
+            for key, gauge in self.stage_occupancy.items():
+                gauge.labels(stage=str(window["stage"])).set(window[key])
         for stage, seconds in engine.pop_stage_times():
             self.stage_step.labels(stage=str(stage)).observe(seconds)
         return generate_latest(self.registry)
