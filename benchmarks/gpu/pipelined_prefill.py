@@ -8,7 +8,7 @@ A random-weight bf16 Llama of Llama-3.2-1B's shape with 32,768 + 64 positions; d
 otherwise (CUDA: a step budget of 8,192 tokens, so a 32k prompt is 4 chunks off and 8 or
 more on), prefix caching off, one fresh random prompt per measurement generating one
 token (TTFT read through ``LLMEngine.step``, as ``benchmarks/pipelined_prefill.py``
-does on CPU). Engines run one after another (pp=1, pp=2 off, pp=2 on), each after a
+does on CPU). Engines run one after another (pp=2 off, pp=2 on, pp=1), each after a
 warm-up prompt of the longest length. On one GPU the two stages share its SMs, so
 overlapping them gains only what one stage alone leaves idle; the multi-GPU figure
 waits for a multi-GPU machine. Results: ``DIR/pipelined_prefill_gpu.json`` and a table.
@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks.pipelined_prefill import _ttft
 
-CONFIGS = [("pp1", 1, {}), ("pp2-off", 2, {"pipelined_prefill": False}), ("pp2-on", 2, {})]
+CONFIGS = [("pp2-off", 2, {"pipelined_prefill": False}), ("pp2-on", 2, {}), ("pp1", 1, {})]
 
 
 def main(argv: list[str] | None = None) -> None:
