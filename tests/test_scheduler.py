@@ -678,3 +678,13 @@ def test_speculation_accepts_and_rejects_without_changing_outputs():
     plain, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
                          max_seqs=6, max_tokens_step=64, arrivals=[0] * 6)
     assert tight.num_preemptions <= plain.num_preemptions
+
+
+def test_pipelined_prefill_defaults_off_only_where_stages_share_a_gpu():
+    """Stages sharing one GPU cannot compute at once: the default leaves chunks unpipelined
+    there (measured slower, benchmarks/gpu/README.md run 14); an explicit choice stands."""
+    assert SchedulerConfig().size_for("cpu", 2).pipelined_prefill is True
+    assert SchedulerConfig().size_for("cuda", 2).pipelined_prefill is True
+    assert SchedulerConfig().size_for("cuda", 2, stages_share_device=True).pipelined_prefill is False
+    forced = SchedulerConfig(pipelined_prefill=True).size_for("cuda", 2, stages_share_device=True)
+    assert forced.pipelined_prefill is True

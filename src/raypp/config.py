@@ -135,7 +135,10 @@ class SchedulerConfig:
     bookkeeping; only while no waiting request could join a batch; same outputs.
 
     ``pipelined_prefill`` (pp > 1): a long prompt's next chunk may enter the pipeline
-    while its earlier chunks are still in it; ``long_prefill_chunk_tokens``: the most
+    while its earlier chunks are still in it; default (``None``): on unless the stages
+    share a GPU (``workers_per_gpu`` > 1), where they cannot compute at once and the
+    smaller chunks only cost (measured: ``benchmarks/gpu/README.md``, run 14);
+    ``long_prefill_chunk_tokens``: the most
     tokens of one prompt per step (default: the step budget, over the stages with
     pipelined prefill); ``balanced_prefill_chunks``: later chunks shrink as their context
     grows, for even stage times (:mod:`raypp.engine.chunking`). Decode rows are scheduled
@@ -148,7 +151,7 @@ class SchedulerConfig:
     max_inflight: int | None = None
     num_decode_steps: int | None = None
     async_scheduling: bool = True
-    pipelined_prefill: bool = True
+    pipelined_prefill: bool | None = None
     long_prefill_chunk_tokens: int | None = None
     balanced_prefill_chunks: bool = True
     # set by size_for: the engine sizes decode rounds itself (num_decode_steps left None)
@@ -166,13 +169,18 @@ class SchedulerConfig:
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
         for f in ("async_scheduling", "pipelined_prefill", "balanced_prefill_chunks"):
-            if not isinstance(getattr(self, f), bool):
+            if not isinstance(getattr(self, f), bool) and not (
+                    f == "pipelined_prefill" and self.pipelined_prefill is None):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
 
-    def size_for(self, device: str, pipeline_parallel_size: int = 1) -> SchedulerConfig:
-        """Give every limit left ``None`` its default for ``device`` ("cpu" or "cuda") and
-        ``pipeline_parallel_size``; returns ``self``. Idempotent."""
+    def size_for(self, device: str, pipeline_parallel_size: int = 1,
+                 stages_share_device: bool = False) -> SchedulerConfig:
+        """Give every limit left ``None`` its default for ``device`` ("cpu" or "cuda"),
+        ``pipeline_parallel_size`` and whether stages share a GPU; returns ``self``.
+        Idempotent."""
         self.device_loops = pipeline_parallel_size == 1
+        if self.pipelined_prefill is None:
+            self.pipelined_prefill = not stages_share_device
         if self.num_decode_steps is None:
             self.adaptive_rounds = device == "cuda" and self.device_loops
         for name, value in DEVICE_DEFAULTS[device].items():
@@ -311,7 +319,7 @@ class EngineConfig:
         if self.runtime.driver_wait == "auto":  # spinning costs a core, which a CPU host lacks
             self.runtime.driver_wait = "spin" if self.device == "cuda" else "poll"
         pp = self.parallel.pipeline_parallel_size
-        self.scheduler.size_for(self.device, pp)
+        self.scheduler.size_for(self.device, pp, stages_share_device=pc.workers_per_gpu > 1)
         if self.scheduler.num_decode_steps > 1 and pp > 1:
             raise ValueError(
                 f"num_decode_steps={self.scheduler.num_decode_steps} needs "
