@@ -81,8 +81,10 @@ def test_moe_fp32_on_cuda_matches_transformers(request, ray_cluster, family, pp)
 def test_moe_bf16_matches_transformers(request, ray_cluster, family):
     """bf16 end to end with decode graphs (the grouped GEMM captured), teacher-forced on
     raypp's tokens: top-5 logprobs' relative error to transformers fp32 at most 1.5x
-    transformers bf16's own, plus 1e-3; every greedy token transformers' bf16 choice or
-    within 0.15 nats of it."""
+    transformers bf16's own, plus 1e-3; greedy tokens far from transformers' choices no
+    more often than transformers bf16's own are (``assert_logprobs_within_transformers_error``:
+    tiny Mixtral routes prompt 1's sixth generated token with its 2nd and 3rd experts
+    0.0017 apart in layer 1, and raypp bf16 on the GPU picked another token there)."""
     from raypp import LLM, SamplingParams
     from raypp.model.moe import grouped_mm_supported
 
