@@ -5,8 +5,11 @@ themselves without it (greedy and seeded sampling), across layouts and faults.""
 from __future__ import annotations
 
 import collections
+import threading
+import time
 
 import pytest
+import ray
 import torch
 from hf_reference import corpus_prompts, hf_greedy
 
@@ -236,6 +239,35 @@ def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray
         assert llm.engine.stats.spec_accepted_tokens > 0
         blocks = llm.engine.block_manager
         assert blocks.num_free == blocks.num_blocks and llm.is_healthy()
+
+
+@pytest.mark.parametrize("plane", ["cgraph", "direct"])
+def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
+    """pp=2, every step a verification: stage 0 stalls on step 3 and stage 1 is killed
+    meanwhile. The requests fail naming the dead stage or are retried to transformers'
+    output; nothing hangs; the replaced stages verify drafts again, exactly."""
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane, max_restarts=5,
+             speculative_config=NGRAM, fault_inject="sleep:0:3:4") as llm:
+        prompts = [[3] * 8, [100] * 12]  # repeated tokens: every decode step drafts
+        namespace = llm.engine.executor.namespace
+
+        def kill() -> None:
+            time.sleep(1.5)
+            ray.kill(ray.get_actor("raypp_worker_1_0", namespace=namespace), no_restart=True)
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        try:
+            got = _generate(llm, prompts, GREEDY)
+        except RequestFailedError as e:
+            assert all("stage 1" in m and "died" in m for m in e.errors.values()), e.errors
+        else:
+            assert [o.outputs[0].token_ids for o in got] == hf_greedy(tiny_llama, prompts, 24)
+        killer.join()
+        accepted = llm.engine.stats.spec_accepted_tokens
+        again = _generate(llm, prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in again] == hf_greedy(tiny_llama, prompts, 24)
+        assert llm.engine.restarts == 1 and llm.engine.stats.spec_accepted_tokens > accepted
 
 
 def test_constrained_and_biased_rows_ride_along_in_verify_steps(ray_cluster, tiny_llama):
