@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 import time
 
 import psutil
@@ -17,22 +16,10 @@ import ray
 from hf_reference import corpus_prompts, hf_greedy
 
 from raypp import LLM, EngineDeadError, ErrorKind, RequestFailedError, SamplingParams
-from raypp.testing import cpu_use_against_idle_actor, wait_suspended
+from raypp.testing import cpu_use_against_idle_actor, kill_stage_later, wait_suspended
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=8)
-
-
-def _kill_later(llm: LLM, pp_rank: int, delay: float, killed_at: list[float]) -> threading.Thread:
-    def kill() -> None:
-        time.sleep(delay)
-        actor = ray.get_actor(f"raypp_worker_{pp_rank}_0", namespace=llm.engine.executor.namespace)
-        killed_at.append(time.monotonic())
-        ray.kill(actor, no_restart=True)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
 
 
 def _check_serves_correctly(llm: LLM, model_dir, prompts) -> None:
@@ -47,7 +34,7 @@ def test_killed_stage_raises_fast_then_engine_recovers(ray_cluster, tiny_llama):
         batch = [{"prompt_token_ids": p} for p in corpus_prompts(llm.get_tokenizer(), [3] * 6)]
         for round_, pp_rank in enumerate([0, 1, 2, 0, 1]):
             killed_at: list[float] = []
-            killer = _kill_later(llm, pp_rank, 1.0, killed_at)
+            killer = kill_stage_later(llm, pp_rank, 1.0, killed_at)
             with pytest.raises(RequestFailedError) as err:
                 llm.generate(batch, LONG, use_tqdm=False)
             raised_at = time.monotonic()
@@ -132,7 +119,7 @@ def test_exceeding_max_restarts_stops_the_engine(ray_cluster, tiny_llama):
     try:
         for attempt in range(2):
             killed: list[float] = []
-            _kill_later(llm, 1, 0.5, killed).join(0)
+            kill_stage_later(llm, 1, 0.5, killed).join(0)
             with pytest.raises((RequestFailedError, EngineDeadError)):
                 llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
             if attempt == 0:
@@ -185,7 +172,7 @@ def test_failed_replacement_is_retried_then_reported(ray_cluster, tiny_llama, tm
     engine_logger.addHandler(watcher)
     try:
         hide()
-        _kill_later(llm, 1, 0.5, []).join(0)
+        kill_stage_later(llm, 1, 0.5, []).join(0)
         with pytest.raises(RequestFailedError):
             llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
         # first replacement fails (no weights; the watcher restores them), the second serves
@@ -194,7 +181,7 @@ def test_failed_replacement_is_retried_then_reported(ray_cluster, tiny_llama, tm
         assert llm.is_healthy()
 
         hide()  # the third replacement fails and spends the budget
-        _kill_later(llm, 0, 0.5, []).join(0)
+        kill_stage_later(llm, 0, 0.5, []).join(0)
         with pytest.raises((RequestFailedError, EngineDeadError)):
             llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
         with pytest.raises(EngineDeadError, match="max_restarts=3.*replacing the stage workers"):

@@ -10,15 +10,13 @@ step's token budget is small (96) so a 700-token prompt takes many chunks.
 from __future__ import annotations
 
 import random
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import ray
 from hf_reference import hf_greedy
 
 from raypp import LLM, RequestFailedError, SamplingParams
+from raypp.testing import kill_stage_later
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BUDGET = 96  # tokens per step: a 700-token prompt is 8 chunks (15 pipelined at pp=2)
@@ -136,14 +134,7 @@ def test_stage_killed_with_chunks_in_flight(ray_cluster, long_llama, plane):
     correctly."""
     long_ = _prompts([700], seed=6)[0]
     with _llm(long_llama, 2, plane, fault_inject="sleep:0:2:4", max_restarts=5) as llm:
-        namespace = llm.engine.executor.namespace
-
-        def kill() -> None:
-            time.sleep(1.5)
-            ray.kill(ray.get_actor("raypp_worker_1_0", namespace=namespace), no_restart=True)
-
-        killer = threading.Thread(target=kill, daemon=True)
-        killer.start()
+        killer = kill_stage_later(llm, 1, 1.5)
         try:
             got = _generate(llm, [long_])
         except RequestFailedError as e:

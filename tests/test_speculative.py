@@ -5,11 +5,8 @@ themselves without it (greedy and seeded sampling), across layouts and faults.""
 from __future__ import annotations
 
 import collections
-import threading
-import time
 
 import pytest
-import ray
 import torch
 from hf_reference import corpus_prompts, hf_greedy
 
@@ -20,6 +17,7 @@ from raypp.engine.speculative import MISSES_BEFORE_PAUSE, PAUSE_SCHEDULINGS, Ngr
 from raypp.errors import RequestFailedError
 from raypp.speculative_config import SpeculativeConfig
 from raypp.step import ResolvedStep, SamplingBatch, StepInput, StepMode
+from raypp.testing import kill_stage_later
 from raypp.worker import verifier
 
 # drafts from 1-gram matches: a tiny random model repeats single tokens far more often
@@ -249,14 +247,7 @@ def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
     with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane, max_restarts=5,
              speculative_config=NGRAM, fault_inject="sleep:0:3:4") as llm:
         prompts = [[3] * 8, [100] * 12]  # repeated tokens: every decode step drafts
-        namespace = llm.engine.executor.namespace
-
-        def kill() -> None:
-            time.sleep(1.5)
-            ray.kill(ray.get_actor("raypp_worker_1_0", namespace=namespace), no_restart=True)
-
-        killer = threading.Thread(target=kill, daemon=True)
-        killer.start()
+        killer = kill_stage_later(llm, 1, 1.5)
         try:
             got = _generate(llm, prompts, GREEDY)
         except RequestFailedError as e:

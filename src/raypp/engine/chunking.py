@@ -61,11 +61,11 @@ class ChunkPolicy:
         now (it has prompt tokens that no micro-batch feeds yet)."""
         return self.pipelined and seq.num_tokens > seq.next_position
 
-    def size(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq``'s prompt to feed next from its next position, with ``budget``
-        tokens left in the step (at least 1 if ``budget`` is)."""
-        start = seq.next_position
-        n = min(seq.num_tokens - start, budget, self.limit)
+    def size(self, start: int, remaining: int, budget: int) -> int:
+        """Tokens to feed next from position ``start`` of a prompt with ``remaining``
+        tokens left to feed, with ``budget`` tokens left in the step (at least 1 if
+        ``budget`` and ``remaining`` are)."""
+        n = min(remaining, budget, self.limit)
         if self.scale is None or n <= MIN_CHUNK_TOKENS:
             return n
         return min(n, max(MIN_CHUNK_TOKENS, self._balanced(start)))

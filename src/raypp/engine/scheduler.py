@@ -123,7 +123,8 @@ class Scheduler:
                 continue
             if seq.in_flight and not self.chunks.may_overlap(seq):
                 continue
-            n = self.chunks.size(seq, budget)
+            start = seq.next_position
+            n = self.chunks.size(start, seq.num_tokens - start, budget)
             if not self._reserve(seq, n, chosen):
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
@@ -149,7 +150,7 @@ class Scheduler:
             seq = self.waiting[0]  # holds no blocks: new, or preempted (it recomputes)
             cached = self.blocks.find_cached(seq)
             start = len(cached) * self.blocks.block_size
-            n = min(seq.num_tokens - start, budget, self.chunks.limit)
+            n = self.chunks.size(start, seq.num_tokens - start, budget)
             if not self.blocks.can_allocate(seq, start + n, cached):
                 break
             self.waiting.popleft()

@@ -3,6 +3,7 @@ helpers, a server thread and a simulated multi-node cluster. The demo model's fe
 product code: :mod:`raypp.demo`.
 """
 
+import threading
 import time
 from typing import Any
 
@@ -58,3 +59,24 @@ class _IdleActor:
         import torch  # noqa: F401  (the runtime threads a stage has)
 
         return os.getpid()
+
+
+def kill_stage_later(llm: Any, pp_rank: int, delay: float,
+                     killed_at: list[float] | None = None) -> threading.Thread:
+    """After ``delay`` seconds, in a daemon thread, kill stage ``pp_rank``'s first worker
+    actor of ``llm`` (``ray.kill``, no restart); the kill's monotonic time is appended to
+    ``killed_at``. Returns the started thread."""
+    import ray
+
+    namespace = llm.engine.executor.namespace
+
+    def kill() -> None:
+        time.sleep(delay)
+        actor = ray.get_actor(f"raypp_worker_{pp_rank}_0", namespace=namespace)
+        if killed_at is not None:
+            killed_at.append(time.monotonic())
+        ray.kill(actor, no_restart=True)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
