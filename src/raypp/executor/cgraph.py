@@ -11,6 +11,7 @@ submits a :class:`~raypp.step.StepInput`; each stage returns a
 An idle compiled graph's stage loops poll their channels and burn CPU, so a
 watchdog tears the graph down after ``idle_suspend_s`` without steps; the next
 ``submit`` recompiles it on the same actors, groups, weights and KV caches (~0.3 s).
+Ray's log lines about it are DEBUG (:mod:`raypp.executor.ray_logs`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from raypp.config import EngineConfig
 from raypp.distributed.ray_communicator import RayPPCommunicator
 from raypp.errors import StageDiedError, StageError, StepTimeoutError, first_line
 from raypp.executor.base import Executor
+from raypp.executor.ray_logs import quiet_ray_logs
 from raypp.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class CompiledGraphExecutor(Executor):
         # a zero-timeout read of one shared-memory channel takes the whole value or nothing
         tp = config.parallel.tensor_parallel_size
         self._poll_results = config.runtime.driver_wait == "poll" and tp == 1
+        quiet_ray_logs()  # the idle teardowns' INFO lines, errors about workers raypp killed
         super().__init__(config)
 
     def _start_plane(self) -> None:

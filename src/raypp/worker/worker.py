@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,24 +33,11 @@ from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.faults import FaultInjector
+from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30
-
-
-@dataclass(frozen=True)
-class KVBudget:
-    """How many KV blocks a worker can hold, and the numbers behind it."""
-
-    blocks: int
-    budget_bytes: int
-    block_bytes: int
-    source: str  # where the budget comes from, for error messages
-
-    def explain(self) -> str:
-        return (f"{self.budget_bytes / _GIB:.2f} GiB for the KV cache ({self.source}), "
-                f"{self.block_bytes} bytes per block")
 
 
 class StageWorker:
@@ -111,7 +97,7 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device))
-        report = load_stage_weights(self.model, mc.model)
+        report = load_stage_weights(self.model, mc.model, mc.gguf)
         self.model.eval()
         return {
             "pp_rank": self.pp_rank,
@@ -133,25 +119,30 @@ class StageWorker:
 
         On CUDA the workers of one GPU (every model loaded, no cache allocated yet)
         split what ``gpu_memory_utilization`` leaves of the device evenly; on CPU each
-        worker takes ``kv_cache_memory_bytes``.
+        worker takes ``kv_cache_memory_bytes``, or when that is unset its share of the
+        host's available memory (:func:`raypp.worker.kv_memory.cpu_budget`).
         """
         cache = self.config.cache
         block = self.kv_block_bytes()
         if cache.num_blocks_override:
             n = cache.num_blocks_override
             return KVBudget(n, n * block, block, "num_blocks_override")
+        world = parallel_state.get_world_group()
+        sharing = world.localities.count(world.localities[world.rank_in_group])
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            world = parallel_state.get_world_group()
-            sharing = world.localities.count(world.localities[world.rank_in_group])
             budget = (free - (1 - cache.gpu_memory_utilization) * total) / sharing
             source = (f"{free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB, keeping "
                       f"{1 - cache.gpu_memory_utilization:.0%} free, shared by {sharing} "
                       "worker(s) on this GPU")
-        else:
-            budget = cache.kv_cache_memory_bytes
-            source = "kv_cache_memory_bytes"
-        return KVBudget(max(0, int(budget // block)), max(0, int(budget)), block, source)
+            return KVBudget.of(budget, block, source)
+        if cache.kv_cache_memory_bytes is not None:
+            return KVBudget.of(cache.kv_cache_memory_bytes, block, "kv_cache_memory_bytes")
+        import psutil
+
+        per_seq = -(-self.config.model.max_model_len // cache.block_size)
+        return cpu_budget(psutil.virtual_memory().available, sharing, block,
+                          self.config.scheduler.max_num_seqs * per_seq)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache and, on CUDA unless ``enforce_eager``, capture the
@@ -159,7 +150,7 @@ class StageWorker:
         mc, rc = self.config.model, self.config.runtime
         kv_heads, head_dim = self.model.kv_cache_layout()
         shape = (2, num_blocks, self.config.cache.block_size, kv_heads, head_dim)
-        kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
+        kv_caches = [zeros(shape, mc.torch_dtype, self.device)
                      for _ in range(self.model.num_layers)]
         graphs = None
         uncapturable = (self.model.decode_graphs_unsupported()
@@ -177,7 +168,9 @@ class StageWorker:
             graphs = DecodeGraphs(
                 self.model, kv_caches, is_first=self.stage.is_first, is_last=self.stage.is_last,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
-                max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
+                # the engine may have fitted max_model_len to num_blocks after this config was sent
+                max_blocks_per_seq=min(-(-mc.max_model_len // self.config.cache.block_size),
+                                       num_blocks),
                 hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
                 compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
             ).capture()
