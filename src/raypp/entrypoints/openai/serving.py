@@ -4,7 +4,10 @@ What callers may rely on:
 
 - A request is validated completely (model name, sampling options, every
   prompt) before any of it reaches the engine; a problem raises a 4xx
-  :class:`~raypp.entrypoints.openai.errors.APIError` naming the field.
+  :class:`~raypp.entrypoints.openai.errors.APIError` naming the field; a prompt plus
+  ``max_tokens`` over ``max_model_len`` is a 400 naming both numbers
+  (``code="context_length_exceeded"``). Sampling fields the client did not send take
+  the model's generation-config defaults (``AsyncLLMEngine.sampling_defaults``).
 - Each prompt becomes one engine request (``n`` completions each); choice
   ``index`` is ``prompt_index * n + completion_index``.
 - A non-streaming request whose client disconnects is aborted (its KV blocks
@@ -34,6 +37,7 @@ from raypp.entrypoints.openai import protocol as p
 from raypp.entrypoints.openai.errors import APIError, generation_failure
 from raypp.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from raypp.entrypoints.openai.streaming import Deltas, merge, sse, sse_response, unless_disconnected
+from raypp.errors import ContextLengthError
 from raypp.outputs import CompletionOutput, RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -88,6 +92,7 @@ class OpenAIServing:
 
     # -- /v1/completions --------------------------------------------------------------------
     async def completions(self, req: p.CompletionRequest, request: Request) -> Response:
+        req = self._with_defaults(req)
         try:
             prompts = req.prompts()
         except p.BadRequest as e:
@@ -146,6 +151,7 @@ class OpenAIServing:
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def chat(self, req: p.ChatCompletionRequest, request: Request) -> Response:
+        req = self._with_defaults(req)
         prompt = self._render_chat(req)
         job = self._admit("chatcmpl", req.model, [prompt], req.sampling_params, "messages")
         top = req.top_logprobs or 0
@@ -202,6 +208,13 @@ class OpenAIServing:
             yield chunk([], job.usage())
 
     # -- admission and running ----------------------------------------------------------------
+    def _with_defaults(self, req: Any) -> Any:
+        """``req`` with the model's sampling defaults (its generation config) in the fields
+        the client did not send."""
+        unset = {k: v for k, v in self.engine.sampling_defaults.items()
+                 if k in type(req).model_fields and k not in req.model_fields_set}
+        return req.model_copy(update=unset) if unset else req
+
     def _model_name(self, requested: str | None) -> str:
         names = self.served_model_names
         if requested is None:
@@ -222,7 +235,10 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
         try:
-            prepared = [self.engine.prepare_prompt(prompt) for prompt in prompts]
+            prepared = [self.engine.prepare_prompt(prompt, params) for prompt in prompts]
+        except ContextLengthError as e:  # names the prompt's tokens, max_tokens, max_model_len
+            param = "max_tokens" if e.field == "max_tokens" else prompt_param
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from None
         job = _Job(f"{prefix}-{uuid.uuid4().hex}", name, prepared, params, self.metrics.tracker())
