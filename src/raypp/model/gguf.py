@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ def _derive(path: str, mtime_ns: int, size: int) -> tuple[GGUFMetadata, Any]:
 
         name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
         config["architectures"] = [name] if name else None
+    config = json.loads(json.dumps(config))  # as the cache gives it back (JSON: string keys)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except (OSError, ValueError, KeyError) as e:
