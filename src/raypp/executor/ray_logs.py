@@ -3,9 +3,10 @@
 What callers may rely on, once :func:`quiet_ray_logs` ran (idempotent):
 
 - Ray's compiled-graph INFO lines (``ray.dag.compiled_dag_node``: tearing down,
-  cancelling, waiting, complete) are DEBUG records, shown only while raypp logs at
-  DEBUG: raypp tears an idle graph down and recompiles it on the next step
-  (``idle_suspend_s``), so they came with every idle period.
+  cancelling, waiting, complete; the PP edges' communicator group initialized at each
+  compile) are DEBUG records, shown only while raypp logs at DEBUG: raypp tears an idle
+  graph down and recompiles it on the next step (``idle_suspend_s``), so they came with
+  every idle period.
 - Ray's errors about an actor raypp killed on purpose (``ray.kill`` of a stuck or
   replaced stage worker: "The actor is dead because it was killed by `ray.kill`") are
   dropped; raypp's own ERROR line says what failed and why.
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import logging
 
-_COMPILED_GRAPH = "ray.dag.compiled_dag_node"
+_LOGGERS = ("ray.dag.compiled_dag_node",
+            "ray.experimental.channel.torch_tensor_accelerator_channel")
 _KILLED = "killed by `ray.kill`"
 
 
@@ -44,7 +46,8 @@ def killed_on_purpose(record: logging.LogRecord) -> bool:
 
 
 def quiet_ray_logs() -> None:
-    """Install the filter on Ray's compiled-graph logger (once per process)."""
-    logger = logging.getLogger(_COMPILED_GRAPH)
-    if not any(isinstance(f, _QuietRay) for f in logger.filters):
-        logger.addFilter(_QuietRay())
+    """Install the filter on Ray's compiled-graph loggers (once per process)."""
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietRay) for f in logger.filters):
+            logger.addFilter(_QuietRay())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,20 @@ def _gguf_version() -> str:
         return "gguf"
 
 
+def preload() -> threading.Thread:
+    """Import what :func:`load_gguf_weights` needs (transformers' GGUF tensor processors,
+    ~1 s) on a daemon thread, so a stage does it while it waits for its peers; a later
+    import waits for this one (the import lock)."""
+
+    def load() -> None:
+        import gguf  # noqa: F401
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
+
+    thread = threading.Thread(target=load, name="raypp-gguf-preload", daemon=True)
+    thread.start()
+    return thread
+
+
 def load_gguf_weights(model: StageModel, meta: GGUFMetadata) -> Any:
     """Fill ``model``'s parameters from the GGUF file ``meta`` describes, dequantizing only
     the tensors this stage owns (each TP rank dequantizes its stage's tensors and keeps its
@@ -160,7 +175,8 @@ def load_gguf_weights(model: StageModel, meta: GGUFMetadata) -> Any:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         weights = gguf.dequantize(tensor.data(file), qtype)
         weights = processor.process(weights=weights, name=tensor.name).weights
-        value = torch.from_numpy(np.copy(weights))  # dequantize may return the read-only map
+        # dequantize returns the read-only map for unquantized tensors: copy only those
+        value = torch.from_numpy(weights if weights.flags.writeable else np.copy(weights))
         for target, shard in targets:
             param = params[target]
             with torch.no_grad():

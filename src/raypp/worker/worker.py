@@ -58,6 +58,10 @@ class StageWorker:
                                                       self.layout.world_size))
             torch.set_num_threads(self._threads.full)  # loading and set-up
         ray_compat.apply(on_cpu=self.device.type == "cpu")
+        if config.model.gguf is not None:  # its imports overlap the rendezvous
+            from raypp.model.gguf import preload
+
+            preload()
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
         self.model: Any = None
