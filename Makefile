@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	    echo "raypp setup: $(TORCH_CPU_INDEX) unreachable: installing $(TORCH) from the default index"; \
 	    $(PIP) install -q $(TORCH); }; \
 	fi
-	@$(VENV)/bin/python -c "import torch; cuda = torch.version.cuda; \
+	@$(VENV)/bin/python -W ignore -c "import torch; cuda = torch.version.cuda; \
 	  print('raypp setup: installed torch', torch.__version__, f'(CUDA {cuda} build)' if cuda else '(CPU build)')"
 	$(PIP) install -q -e ".[serve,bench,test]"
 	$(VENV)/bin/raypp fetch demo
