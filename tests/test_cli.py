@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,37 @@ def test_generate_runs_the_model_named_either_way(ray_cluster, tiny_llama, capsy
         printed.append(capsys.readouterr().out)
     assert printed[0] == printed[1]
     assert printed[0].startswith("--- 'The list type'\nThe list type")  # no chat template
+
+
+def test_serve_runs_the_model_named_with_model_and_serves_it_by_that_name(tiny_llama):
+    """A real ``raypp serve --model DIR`` in its own process: healthy, and /v1/models names
+    the model as it was given."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "raypp", "serve", "--model", str(tiny_llama),
+                             "--port", str(port), "--max-model-len", "64"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == [str(tiny_llama)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
 
 
 # -- --help ---------------------------------------------------------------------------------------

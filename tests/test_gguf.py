@@ -178,3 +178,16 @@ def test_an_unwritable_cache_costs_only_speed(smollm2, tmp_path):
     not_a_dir.write_text("")
     config = ModelConfig(str(smollm2), cache_dir=str(not_a_dir))
     assert config.architecture == "LlamaForCausalLM" and config.tokenizer == str(smollm2)
+
+
+def test_the_readmes_python_example_runs_as_pasted(ray_cluster, smollm2, capsys):
+    """The README's first Python block, as it is: the demo by name, pp = 2, its output
+    types as the comments say."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(from raypp import LLM.*?)```", readme, re.S)[1]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert isinstance(scope["outs"], list) and isinstance(scope["chats"], list)
+    assert "Paris" in scope["chats"][0].outputs[0].text
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) >= 2 and "Paris" in printed[-1]
