@@ -89,15 +89,25 @@ def assert_logprobs_within_transformers_error(model_dir: Any, prompts: list[list
     """raypp's half-precision completions ``outs`` (with top logprobs), teacher-forced
     through transformers: raypp's logprobs are as close to transformers' fp32 as
     transformers' own ``dtype`` logprobs are (relative error at most 1.5x theirs, plus
-    1e-3); with ``tie``, every greedy token is transformers' ``dtype`` choice or within
-    ``tie`` nats of it."""
+    1e-3); with ``tie``, every greedy token is within ``tie`` nats of transformers'
+    ``dtype`` choice, or no further below transformers' fp32 choice (in fp32) than
+    ``tie`` or than transformers' own worst ``dtype`` choice of the run (MoE routing
+    flips make single positions of either dtype jump)."""
     half = _teacher_forced(str(model_dir), prompts, outs, dtype)
     full = _teacher_forced(str(model_dir), prompts, outs, torch.float32)
+    # transformers' own worst greedy choice in ``dtype``, in fp32 nats below fp32's best
+    own_worst = max((ref.max(-1).values - ref.gather(-1, ref_half.argmax(-1, keepdim=True))[:, 0])
+                    .max().item() for ref_half, ref in zip(half, full, strict=True))
     ours = theirs = norm = 0.0
-    for out, ref_half, ref in zip(outs, half, full, strict=True):
+    far: list[str] = []
+    for n, (out, ref_half, ref) in enumerate(zip(outs, half, full, strict=True)):
         for i, (tok, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            if tie is not None:
-                assert ref_half[i, tok] >= ref_half[i].max() - tie, (i, tok, ref_half[i].argmax())
+            gap_half = (ref_half[i].max() - ref_half[i, tok]).item()
+            gap_full = (ref[i].max() - ref[i, tok]).item()
+            if tie is not None and gap_half > tie and gap_full > max(tie, own_worst):
+                far.append(f"prompt {n} pos {i}: token {tok} is {gap_half:.3f} nats below "
+                           f"transformers {dtype}'s max ({ref_half[i].argmax().item()}), "
+                           f"{gap_full:.3f} below fp32's ({ref[i].argmax().item()})")
             for tid, lp in top.items():
                 ours += (lp.logprob - ref[i, tid].item()) ** 2
                 theirs += (ref_half[i, tid].item() - ref[i, tid].item()) ** 2
@@ -105,6 +115,9 @@ def assert_logprobs_within_transformers_error(model_dir: Any, prompts: list[list
     ours, theirs = (ours / norm) ** 0.5, (theirs / norm) ** 0.5
     print(f"{label} logprob rel. error vs transformers fp32: raypp {ours:.2e}, "
           f"transformers {theirs:.2e}")
+    print(f"transformers {dtype}'s worst greedy choice: {own_worst:.3f} fp32 nats below the best")
+    print("\n".join(far))
+    assert not far, far
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 

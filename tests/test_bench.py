@@ -76,6 +76,12 @@ def test_throughput_json_and_timeline(bench_llm, tmp_path):
     assert saved["ttft_ms"]["n"] == 6 and saved["tpot_ms"]["n"] == 6
     assert len(saved["stage_busy_share"]) == 2
     assert all(0 < b <= 1 for b in saved["stage_busy_share"])
+    occupancy = saved["stage_occupancy"]  # the stages' own counters over the run
+    assert [w["stage"] for w in occupancy] == [0, 1]
+    for w in occupancy:
+        assert w["steps"] == result["engine_steps"] and 0 < w["busy"] <= 1
+        assert w["busy"] + w["idle"] == pytest.approx(1, abs=1e-3) and w["bubble"] <= w["idle"]
+        assert w["tokens_per_step"] >= 1
 
     trace = json.loads((tmp_path / "tl.json").read_text())
     events = trace["traceEvents"]

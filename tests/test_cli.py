@@ -253,3 +253,31 @@ def test_fetch_prints_the_local_path(tiny_llama):
     done = _raypp("fetch", str(tiny_llama))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tiny_llama.resolve())
+
+
+# -- `raypp serve` without the server's extra (issue 29) -----------------------------------------
+_WITHOUT_FASTAPI = ("import sys; sys.modules['fastapi'] = None; from raypp.cli import main; "
+                    "sys.exit(main(sys.argv[1:]))")  # fastapi cannot be imported: a slim install
+
+
+def _raypp_without_server_extra(*args: str):
+    return subprocess.run([sys.executable, "-c", _WITHOUT_FASTAPI, *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_serve_is_listed_and_names_the_install_command_without_the_server_extra():
+    listed = _raypp_without_server_extra("--help")
+    assert listed.returncode == 0 and "serve" in listed.stdout
+    run = _raypp_without_server_extra("serve", "--demo", "--port", "8123")
+    assert run.returncode == 1
+    assert "pip install 'raypp[serve]'" in run.stderr and "invalid choice" not in run.stderr
+
+
+def test_unknown_options_stay_usage_errors_and_serve_takes_a_tool_call_parser(capsys):
+    from raypp.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--demo", "--no-such-option"])
+    assert exit_info.value.code == 2 and "--no-such-option" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--demo", "--tool-call-parser", "mistral"])
+    assert args.tool_call_parser == "mistral"

@@ -131,10 +131,19 @@ def test_server_refuses_max_tokens_beyond_the_context_naming_both_numbers(server
 def test_server_refuses_what_it_does_not_support_naming_the_field(server):
     """The README's table of what the server does not support: refused, not ignored."""
     url, _ = server
-    for field, value in (("tools", []), ("response_format", {"type": "json_object"}),
-                         ("logit_bias", {}), ("best_of", 2), ("suffix", "x")):
-        r = _complete(url, prompt="The list type", max_tokens=2, **{field: value})
+    for field, value in (("suffix", "x"), ("echo", True)):
+        body = {field: value, "logprobs": 1} if field == "echo" else {field: value}
+        r = _complete(url, prompt="The list type", max_tokens=2, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    messages = [{"role": "user", "content": "The list type"}]
+    for field, value in (("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["audio"]),
+                         ("web_search_options", {})):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tuned", "max_tokens": 2,
+                                                          "messages": messages, field: value},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    assert httpx.post(f"{url}/v1/embeddings", json={"model": "tuned", "input": "x"},
+                      timeout=60).status_code == 404
 
 
 # -- max_model_len and the KV cache -----------------------------------------------------------

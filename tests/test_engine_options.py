@@ -18,6 +18,7 @@ SETTINGS = dict(
     async_scheduling=False, enable_prefix_caching=False, kv_cache_memory_bytes=8 * 2**20,
     gpu_memory_utilization=0.5, enforce_eager=True, workers_per_gpu=1, cpu_threads=1,
     step_timeout_s=30.0,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
 )
 FLAGS = [
     "-pp", "2", "-tp", "1", "--dtype", "float32", "--max-model-len", "64", "--seed", "3",
@@ -27,6 +28,8 @@ FLAGS = [
     "--no-enable-prefix-caching", "--kv-cache-memory", str(8 * 2**20),
     "--gpu-memory-utilization", "0.5", "--enforce-eager", "--workers-per-gpu", "1",
     "--cpu-threads", "1", "--step-timeout-s", "30",
+    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                            '"prompt_lookup_min": 1}',
 ]
 
 

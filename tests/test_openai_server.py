@@ -58,7 +58,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny_llama):
-    llm = LLM(str(tiny_llama), pipeline_parallel_size=2, kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(str(tiny_llama), pipeline_parallel_size=2, kv_cache_memory_bytes=8 * 2**20,
+              stats_interval_s=0.1)
     refs = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     chat_ref = llm.chat(CHAT, GREEDY, use_tqdm=False)[0].outputs[0].text
     engine = AsyncLLMEngine(llm.engine, collect_stage_times=True)
@@ -246,7 +247,7 @@ BAD = [
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', KEY, 400, None),
     ("wrong type", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"},
      KEY, 400, "max_tokens"),
-    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2},
+    ("best_of below n", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1},
      KEY, 400, "best_of"),
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "x"}, KEY, 404, "model"),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": list(range(300))},
@@ -360,6 +361,21 @@ def test_metrics_parse_and_move_with_traffic(served):
     for gauge in ("raypp_num_requests_running{}", "raypp_num_requests_waiting{}",
                   "raypp_kv_blocks_used{}"):
         assert after[gauge] == 0
+
+
+def test_metrics_report_each_stages_occupancy(served):
+    """A 200-token completion spans windows of the engine's occupancy monitor (0.1 s
+    here): /metrics then reports each stage's busy, bubble and idle shares."""
+    served.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=200,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    metrics = _metrics(served)
+    for stage in (0, 1):
+        busy = metrics[f"raypp_stage_busy_fraction{{stage={stage}}}"]
+        idle = metrics[f"raypp_stage_idle_fraction{{stage={stage}}}"]
+        bubble = metrics[f"raypp_stage_bubble_fraction{{stage={stage}}}"]
+        assert 0 < busy <= 1 and busy + idle == pytest.approx(1, abs=1e-3)
+        assert 0 <= bubble <= idle + 1e-3
+        assert metrics[f"raypp_stage_tokens_per_step{{stage={stage}}}"] >= 1
 
 
 def test_usage_and_metrics_report_cached_prompt_tokens(served):

@@ -27,6 +27,7 @@ from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence, SequenceStatus
 from raypp.engine.step_builder import StepBuilder
 from raypp.sampling_params import SamplingParams
+from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
 from raypp.worker.block_tables import BlockTableMirror
 
@@ -54,8 +55,11 @@ class FakePipeline:
             seq = item.seq
             extra = ahead[seq.seq_id] if ahead else []
             start = item.start
-            assert len(extra) == start - seq.num_computed_tokens  # sampled in flight before
-            tokens = list(seq.all_token_ids) + extra
+            if ahead:  # a continuation: its start is after the tokens sampled in flight
+                assert len(extra) == start - seq.num_computed_tokens
+            else:  # a prompt chunk may start after chunks still in flight, never past
+                assert start <= len(seq.all_token_ids)  # the tokens the host knows
+            tokens = list(seq.all_token_ids) + extra + item.draft  # drafts: fed, unconfirmed
             end = start + item.num_tokens
             out = []
             for _ in range(batch.num_steps):
@@ -69,6 +73,13 @@ class FakePipeline:
                     assert self.cache.get(slot) == tuple(tokens[:pos + 1]), (
                         "cache holds another prefix")
                 if not item.sample:
+                    break
+                if item.draft:  # verify: the target samples every drafted position
+                    first = end - len(item.draft)
+                    samples = [_next_token(tokens[:p]) for p in range(first, end + 1)]
+                    accepted = next((j for j, t in enumerate(item.draft) if samples[j] != t),
+                                    len(item.draft))
+                    out.extend(samples[:accepted + 1])
                     break
                 out.append(_next_token(tokens[:end]))
                 tokens.append(out[-1])
@@ -89,14 +100,37 @@ def _sized(**limits) -> SchedulerConfig:
     return SchedulerConfig(**limits).size_for("cpu")
 
 
+class TruthfulFor:
+    """A test proposer: the true continuation for a number of tokens that the context
+    picks (0 .. k), then a wrong token."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        good, out = hash(tuple(tokens)) % (k + 1), []
+        for _ in range(k):
+            out.append(_next_token(tokens + out))
+        if good < k:
+            out[good] = (out[good] + 1) % 97
+        return out
+
+
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
-              arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=()):
-    """Run every request to its end; ``aborts``: (step, request index) pairs."""
+              arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=(), speculate=0,
+              pp=1, chunk_tokens=None, hidden_size=None, on_schedule=None):
+    """Run every request to its end; ``aborts``: (step, request index) pairs;
+    ``speculate``: draft up to that many tokens per decode row (a proposer right for
+    some of them); ``pp`` > 1: sized for that many stages (prompt chunks pipelined);
+    ``chunk_tokens``, ``hidden_size``: the chunk policy's limit and cost model;
+    ``on_schedule(batch, queue)``: called with each micro-batch as it is formed."""
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
-    config = _sized(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
-                    max_inflight=inflight, num_decode_steps=decode_steps,
-                    async_scheduling=rounds_ahead)
-    sched = Scheduler(config, blocks, max_model_len=10_000)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
+                             max_inflight=inflight, num_decode_steps=decode_steps,
+                             async_scheduling=rounds_ahead,
+                             long_prefill_chunk_tokens=chunk_tokens).size_for("cpu", pp)
+    spec = SpeculativeConfig(num_speculative_tokens=speculate) if speculate else None
+    sched = Scheduler(config, blocks, max_model_len=10_000, speculative=spec,
+                      hidden_size=hidden_size)
+    if spec is not None:
+        sched.rounds.speculator.proposer = TruthfulFor()
     pipe = FakePipeline(blocks)
     # lean steps: the builder sends block-table changes, a stage's mirror resolves them
     builder, mirror = StepBuilder(sched), BlockTableMirror(block_size)
@@ -125,9 +159,18 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
                 aborted.add(seq.seq_id)
         while (batch := sched.schedule()) is not None:  # the scheduler keeps the count
             assert len(queue) < inflight
-            in_flight = [s.seq.seq_id for b, _ in queue for s in b.seqs]
-            assert not set(in_flight) & {s.seq.seq_id for s in batch.seqs}, "seq in two batches"
+            # a sequence in flight joins only with its prompt's next chunk, after its
+            # earlier chunks, none of which samples (and no continuation is in flight)
+            for item in batch.seqs:
+                earlier = [(b, i) for b, _ in queue for i in b.seqs if i.seq is item.seq]
+                assert all(not i.sample and b.num_steps == 1 for b, i in earlier), (
+                    "seq in two batches")
+                if earlier:
+                    b, last = earlier[-1]
+                    assert item.start == last.start + last.num_tokens
             assert batch.num_steps == 1 or all(s.num_tokens == 1 for s in batch.seqs)
+            if on_schedule is not None:
+                on_schedule(batch, queue)
             queue.append((batch, submit(batch)))
         _check_blocks(sched, blocks, pipe)
         step += 1
@@ -141,7 +184,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
             by_seq = {s.seq.seq_id: row for s, row in zip(batch.seqs, tokens)}
             queue.append((nxt, submit(nxt, by_seq)))
             continuations += 1
-        sched.complete(batch)
+        sched.complete(batch, sampled=tokens)
         for seq, row in zip([s.seq for s in batch.seqs if s.sample], tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished while a continuation was in flight
@@ -196,17 +239,26 @@ def _check_blocks(sched: Scheduler, blocks: BlockManager, pipe: FakePipeline) ->
     spare_blocks=st.integers(0, 20),
     decode_steps=st.sampled_from([1, 1, 2, 5, 8]),
     rounds_ahead=st.booleans(),
+    speculate=st.sampled_from([0, 0, 1, 3]),
+    pipelined=st.booleans(),
+    chunk_tokens=st.sampled_from([None, None, 1, 3, 8]),
+    hidden_size=st.sampled_from([None, 1, 4]),
 )
 def test_scheduler_outputs_are_independent_of_scheduling(data, block_size, inflight, max_seqs,
                                                          step_tokens, spare_blocks, decode_steps,
-                                                         rounds_ahead):
+                                                         rounds_ahead, speculate, pipelined,
+                                                         chunk_tokens, hidden_size):
+    """Any mix of budgets, rounds, drafts, preemption, prefix hits and (``pipelined``:
+    sized for ``inflight`` stages) prompt chunks in flight together gives the outputs of
+    the sequences run alone."""
     prompts = [[(7 * i + j) % 50 for j in range(n)] for i, (n, _, _) in enumerate(data)]
     max_tokens = [m for _, m, _ in data]
     arrivals = sorted(a for _, _, a in data)
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // block_size) + spare_blocks
     _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, step_tokens,
-              arrivals, decode_steps, rounds_ahead)
+              arrivals, decode_steps, rounds_ahead, speculate=speculate,
+              pp=inflight if pipelined else 1, chunk_tokens=chunk_tokens, hidden_size=hidden_size)
 
 
 def test_tight_budget_preempts_and_still_matches():
@@ -341,17 +393,73 @@ def test_long_prompt_is_chunked():
     assert sched.num_preemptions == 0
 
 
-def test_micro_batches_split_the_running_set_evenly():
-    blocks = BlockManager(100, 4)
-    sched = Scheduler(_sized(max_num_seqs=8, max_num_batched_tokens=512, max_inflight=2),
-                      blocks, 10_000)
-    for i in range(8):
-        sched.add(Sequence(i, str(i), 0, [1, 2, 3], SamplingParams(), seed=0))
-    first, second = sched.schedule(), sched.schedule()
-    assert len(first.seqs) == len(second.seqs) == 4
-    assert sched.schedule() is None  # everything is in flight
+def _rows_per_batch(pp: int, prompts: list[list[int]], max_tokens: list[int], arrivals,
+                    step_tokens: int = 512) -> list[tuple[int, list[int]]]:
+    """Per micro-batch of a ``pp``-stage simulation: its decode rows, and the request
+    indices of its prompt rows."""
+    rows: list[tuple[int, list[int]]] = []
+
+    def record(batch: MicroBatch, queue) -> None:
+        prompt = [i.seq.seq_id for i in batch.seqs if i.start < len(i.seq.prompt_token_ids)]
+        rows.append((len(batch.seqs) - len(prompt), prompt))
+
+    _simulate(prompts, max_tokens, num_blocks=400, block_size=4, inflight=pp, max_seqs=64,
+              max_tokens_step=step_tokens, arrivals=arrivals, pp=pp, on_schedule=record)
+    return rows
 
 
+def test_decode_rows_spread_evenly_over_the_micro_batches():
+    """pp micro-batches in flight: in steady state (everyone decoding) the decode rows of
+    consecutive micro-batches differ by at most one, whatever order requests came in."""
+    for pp, n in ((2, 9), (3, 16), (4, 7)):
+        prompts = [[(5 * i + j) % 50 for j in range(3 + i % 4)] for i in range(n)]
+        rows = _rows_per_batch(pp, prompts, [60] * n, [i // 3 for i in range(n)])
+        steady = [d for d, _ in rows[len(rows) // 3:len(rows) * 2 // 3]]  # none finished
+        windows = [steady[i:i + pp] for i in range(0, len(steady) - pp + 1)]
+        assert steady and all(max(w) - min(w) <= 1 for w in windows), (pp, steady)
+        assert sum(steady[:pp]) == n  # every running decode, once per pp micro-batches
+
+
+def test_the_decode_cap_never_holds_back_a_prefill():
+    """A request that arrives while 12 sequences decode joins the next micro-batch that
+    has token budget, although that micro-batch is at its decode cap."""
+    prompts = [[i, i + 1] for i in range(12)] + [list(range(30))]
+    rows = _rows_per_batch(2, prompts, [30] * 12 + [2], [0] * 12 + [8])
+    joined = [decodes for decodes, prompt in rows if 12 in prompt]
+    assert joined == [6]  # the decode cap (ceil(12 / 2)) reached, and the prompt joined
+
+
+def test_a_long_prompt_has_a_chunk_on_every_stage():
+    """pp=3, one 100-token prompt, a 30-token step: three of its chunks are in flight at
+    once (one per stage) and it finishes with the same output."""
+    chunks_in_flight: list[int] = []
+
+    def record(batch: MicroBatch, queue) -> None:
+        chunks_in_flight.append(len(queue) + 1)
+
+    sched, _ = _simulate([list(range(100))], [3], num_blocks=40, block_size=4, inflight=3,
+                         max_seqs=4, max_tokens_step=30, arrivals=[0], pp=3, on_schedule=record)
+    assert max(chunks_in_flight) == 3
+
+
+def test_balanced_chunks_shrink_as_the_context_grows():
+    """With the cost model on, later chunks of one prompt are smaller, never below the
+    minimum; without it every chunk but the last is the limit."""
+    for hidden_size, shrinking in ((None, False), (2, True)):
+        sizes: list[int] = []
+
+        def record(batch: MicroBatch, queue, sizes=sizes) -> None:
+            sizes.extend(i.num_tokens for i in batch.seqs if not i.sample or i.start == 0)
+
+        _simulate([list(range(300))], [1], num_blocks=100, block_size=4, inflight=2,
+                  max_seqs=1, max_tokens_step=128, arrivals=[0], pp=2, hidden_size=hidden_size,
+                  on_schedule=record)
+        assert sizes[0] == 64  # the step's budget over the stages
+        if shrinking:
+            assert all(a >= b for a, b in zip(sizes, sizes[1:-1])) and sizes[-2] < sizes[0]
+            assert min(sizes[:-1]) >= 16
+        else:
+            assert set(sizes[:-1]) == {64}
 
 
 # -- the prefix cache --------------------------------------------------------------------------
@@ -374,9 +482,11 @@ def _family_prompts(data: list[tuple[int, int, int]]) -> list[list[int]]:
     decode_steps=st.sampled_from([1, 1, 2, 5]),
     rounds_ahead=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
+    speculate=st.sampled_from([0, 0, 2]),
 )
 def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_seqs, step_tokens,
-                                               spare_blocks, decode_steps, rounds_ahead, aborts):
+                                               spare_blocks, decode_steps, rounds_ahead, aborts,
+                                               speculate):
     """Shared prefixes, identical prompts, preemption, eviction, aborts in flight,
     multi-step and asynchronous rounds: the cache only ever supplies the right KV."""
     prompts = _family_prompts([(f, shared, own) for f, shared, own, _, _ in data])
@@ -386,7 +496,8 @@ def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // block_size) + spare_blocks
     sched, _ = _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs,
-                         step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts)
+                         step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts,
+                         speculate=speculate)
     assert sched.prefix_cache_hits <= sched.prefix_cache_queries
 
 
@@ -550,3 +661,20 @@ def test_round_policy_marks_rounds_only_where_the_stage_can_loop():
         assert batch.mode is mode and batch.seqs[0].start == 3
         nxt = sched.continue_batch(batch)
         assert (nxt is not None) is (mode is StepMode.DECODE_ROUND)
+
+
+def test_speculation_accepts_and_rejects_without_changing_outputs():
+    """Drafts partly right: accepted ones count as computed, rejected ones' KV is
+    overwritten in place (the fake pipeline's reads would see it otherwise); with a tight
+    cache, drafts are dropped rather than preempting anyone."""
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(6)]
+    max_tokens = [30, 7, 19, 25, 11, 30]
+    sched, _ = _simulate(prompts, max_tokens, num_blocks=60, block_size=4, inflight=2,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0, 0, 0, 2, 4, 6], speculate=3)
+    spec = sched.rounds.speculator
+    assert spec.drafted > spec.accepted > 0
+    tight, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0] * 6, speculate=3)
+    plain, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
+                         max_seqs=6, max_tokens_step=64, arrivals=[0] * 6)
+    assert tight.num_preemptions <= plain.num_preemptions

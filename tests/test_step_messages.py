@@ -195,17 +195,20 @@ def test_a_failed_step_is_resent_to_the_stages_that_missed_it():
 def test_a_resent_drop_never_hits_a_newer_table():
     """A failed step X dropped a's old table; a later step Y, built before X's failure was
     known, started a's new table: forgetting X must not drop a's new table again."""
-    e = Engine(inflight=2)  # one sequence per micro-batch
+    e = Engine(inflight=2)
     a = e.add(0, 4)
+    batches = [e.sched.schedule()]  # [a]
     e.add(1, 4)
-    batches = [e.sched.schedule(), e.sched.schedule()]  # [a], [b]: both in flight
+    batches.append(e.sched.schedule())  # [b]: both in flight
     for batch in batches:
         e.build(batch)
     for batch in batches:
         e.finish(batch)
     e.sched.requeue(a)  # a preemption: a's table is freed
+    e.sched.waiting.remove(a)  # a is not readmitted into X (as if its blocks were short)
     x_batch = e.sched.schedule()
     x = e.build(x_batch)
+    e.sched.waiting.appendleft(a)
     y_batch = e.sched.schedule()
     y = e.build(y_batch)
     assert x.seq_ids == [1] and x.finished_seq_ids == [0]

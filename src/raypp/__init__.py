@@ -1,7 +1,7 @@
 """raypp: pipeline-parallel LLM inference on Ray Compiled Graphs.
 
-Public surface: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`,
-:class:`CompletionOutput`.
+Public surface: :class:`LLM`, :class:`SamplingParams` (with
+:class:`StructuredOutputsParams`), :class:`RequestOutput`, :class:`CompletionOutput`.
 """
 
 from raypp import logger as _logger
@@ -14,10 +14,10 @@ from raypp.errors import (
     StepTimeoutError,
 )
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
-from raypp.sampling_params import SamplingParams
+from raypp.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
     "EngineDeadError", "ErrorKind", "RequestFailedError", "StageDiedError", "StageError", "StepTimeoutError",
 ]
 __version__ = "0.1.0"

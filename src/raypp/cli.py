@@ -1,13 +1,14 @@
 """``raypp generate | serve | bench | fetch`` (also ``python -m raypp``): parse and dispatch.
 
 What callers may rely on: :func:`build_parser` registers every subcommand, each
-setting ``func``; ``serve`` and ``bench`` are left out when their modules cannot be
-imported (a slim install). :func:`main` runs one and returns its exit status: a user
-error (a bad option value, a model that is missing or not a model, a request that
-does not fit: ``ValueError``, ``FileNotFoundError`` and their kin, also when a stage
-raised it) prints one line ``raypp: error: …`` on stderr and returns 2, with the
-traceback only under ``--debug`` (which also sets raypp's log level to DEBUG) or
-``RAYPP_LOG_LEVEL=DEBUG``. Every ``--help`` shows each option's default.
+setting ``func``; ``bench`` is left out when its modules cannot be imported (a slim
+install), ``serve`` is always listed: without the server's extra, running it exits 1
+with the ``pip install`` command that adds it. :func:`main` runs one and returns its
+exit status: a user error (a bad option value, a model that is missing or not a model,
+a request that does not fit: ``ValueError``, ``FileNotFoundError`` and their kin, also
+when a stage raised it) prints one line ``raypp: error: …`` on stderr and returns 2,
+with the traceback only under ``--debug`` (which also sets raypp's log level to DEBUG)
+or ``RAYPP_LOG_LEVEL=DEBUG``. Every ``--help`` shows each option's default.
 
 ``main`` imports only the module of the command it runs (``raypp --help`` imports
 none of them, so it answers without loading torch or Ray). The front door above both
@@ -123,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     command = _command(argv)
     try:
         parser = build_parser(full=[command] if command in _COMMANDS else [])
-    except ImportError as e:
-        print(f"raypp: error: raypp {command} needs more packages: pip install "
-              f"'raypp[{_EXTRAS.get(command, command)}]' ({e})", file=sys.stderr)
-        return 2
+    except ImportError as e:  # an install without the command's extra: not a usage error
+        print(f"raypp: error: raypp {command} needs the '{_EXTRAS.get(command, command)}' "
+              f"extra ({e.name or e} is not installed): pip install "
+              f"'raypp[{_EXTRAS.get(command, command)}]'", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     debug = args.debug or (envs.RAYPP_LOG_LEVEL or "").upper() == "DEBUG"
     logging.basicConfig(level="DEBUG" if debug else (envs.RAYPP_LOG_LEVEL or "INFO").upper(),

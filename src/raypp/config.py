@@ -14,6 +14,7 @@ import torch
 from raypp import envs
 from raypp.fault_spec import FaultSpec
 from raypp.model_config import DEFAULT_CACHE_DIR, ModelConfig
+from raypp.speculative_config import SpeculativeConfig
 
 _CONTROL_PLANES = ("cgraph", "direct")
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -135,6 +136,14 @@ class SchedulerConfig:
     submits the batch's next round, whose input ids the stage takes on the device from
     the running round's last tokens, so the stage never waits for the engine's
     bookkeeping; only while no waiting request could join a batch; same outputs.
+
+    ``pipelined_prefill`` (pp > 1): a long prompt's next chunk may enter the pipeline
+    while its earlier chunks are still in it; ``long_prefill_chunk_tokens``: the most
+    tokens of one prompt per step (default: the step budget, over the stages with
+    pipelined prefill); ``balanced_prefill_chunks``: later chunks shrink as their context
+    grows, for even stage times (:mod:`raypp.engine.chunking`). Decode rows are scheduled
+    before prefill chunks, and at most ``ceil(decodes / max_inflight)`` per micro-batch,
+    so the running decodes spread evenly over the micro-batches in flight.
     """
 
     max_num_seqs: int | None = None
@@ -142,6 +151,9 @@ class SchedulerConfig:
     max_inflight: int | None = None
     num_decode_steps: int | None = None
     async_scheduling: bool = True
+    pipelined_prefill: bool = True
+    long_prefill_chunk_tokens: int | None = None
+    balanced_prefill_chunks: bool = True
     # set by size_for: the engine sizes decode rounds itself (num_decode_steps left None)
     adaptive_rounds: bool = field(default=False, init=False)
     # set by size_for: a one-stage pipeline, whose stage can feed its sampled tokens back
@@ -149,14 +161,16 @@ class SchedulerConfig:
     device_loops: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
-        for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps"):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps",
+                  "long_prefill_chunk_tokens"):
             value = getattr(self, f)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        for f in ("async_scheduling", "pipelined_prefill", "balanced_prefill_chunks"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
 
     def size_for(self, device: str, pipeline_parallel_size: int = 1) -> SchedulerConfig:
         """Give every limit left ``None`` its default for ``device`` ("cpu" or "cuda") and
@@ -214,6 +228,7 @@ class RuntimeConfig:
     trace_comm: bool | None = None
     fault_inject: str | None = None
     cpu_threads: int | None = None  # 0: the host's cores over the stage workers
+    stats_interval_s: float | None = None  # the engine's periodic log and occupancy window
 
     def __post_init__(self) -> None:
         defaults = {
@@ -230,11 +245,12 @@ class RuntimeConfig:
             "trace_comm": envs.RAYPP_TRACE_COMM,
             "fault_inject": envs.RAYPP_FAULT_INJECT or None,
             "cpu_threads": envs.RAYPP_CPU_THREADS,
+            "stats_interval_s": envs.RAYPP_STATS_INTERVAL_S,
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s"):
+        for name in ("step_timeout_s", "dist_timeout_s", "restart_window_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows", "cpu_threads"):
@@ -254,6 +270,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     device: str = "auto"
+    # speculative decoding (a dict is taken as SpeculativeConfig's fields); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -279,6 +297,10 @@ class EngineConfig:
                    runtime=RuntimeConfig(**parts[RuntimeConfig]), **parts[cls])
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' is not available yet: "
+                             "use 'ngram'")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check_choice("device", self.device, ("cpu", "cuda"))
@@ -332,7 +354,7 @@ def _option_owners() -> dict[str, type]:
     owners = {f.name: c for c in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig,
                                   RuntimeConfig) for f in fields(c) if f.init}
     del owners["model"]  # from_kwargs's own argument
-    return {**owners, "device": EngineConfig}
+    return {**owners, "device": EngineConfig, "speculative_config": EngineConfig}
 
 
 def _unknown_options(unknown: list[str], known: list[str]) -> str:

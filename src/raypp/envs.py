@@ -105,6 +105,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Executor replacements allowed within RAYPP_RESTART_WINDOW_S before the engine "
         "stops with EngineDeadError.",
     ),
+    "RAYPP_STATS_INTERVAL_S": (
+        _float("RAYPP_STATS_INTERVAL_S", "10"),
+        "Seconds between the engine's periodic INFO log lines (load, each stage's busy "
+        "share, a starved-pipeline warning); also the window of the stage occupancy that "
+        "EngineStats and /metrics report.",
+    ),
     "RAYPP_RESTART_WINDOW_S": (
         _float("RAYPP_RESTART_WINDOW_S", "600"),
         "Rolling window, in seconds, over which restarts are counted.",

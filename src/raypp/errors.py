@@ -24,6 +24,7 @@ class ErrorKind(str, enum.Enum):
     STAGE_DIED = "stage_died"  # a stage died with it in flight; the workers are replaced
     STEP_TIMEOUT = "step_timeout"  # its step hung; the workers are replaced
     ENGINE_DEAD = "engine_dead"  # the engine stopped (restart budget spent or shut down)
+    INVALID_REQUEST = "invalid_request"  # refused after it was queued (its grammar did not compile)
 
     @property
     def retryable(self) -> bool:

@@ -28,7 +28,8 @@ class LLM:
     ``AsyncLLMEngine.from_model``'s are: the KV cache (``block_size``,
     ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``enable_prefix_caching``),
     the scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``,
-    ``num_decode_steps``, ``async_scheduling``), parallelism (``layer_partition``,
+    ``num_decode_steps``, ``async_scheduling``, ``pipelined_prefill``,
+    ``long_prefill_chunk_tokens``, ``balanced_prefill_chunks``), parallelism (``layer_partition``,
     ``use_ray_wrapped_pp_comm``, ``placement_strategy``, ``cpu_p2p``) and the runtime
     (``step_timeout_s``, ``enforce_eager``, ``restart_window_s``, …); an option left
     out takes its ``RAYPP_*`` default, and an unknown one raises
@@ -82,8 +83,9 @@ class LLM:
 
         ``sampling_params`` left ``None`` is :meth:`get_default_sampling_params` (the
         model's generation-config defaults); a ``SamplingParams`` given is used as it is.
-        All prompts are validated before any runs: an invalid one raises ``ValueError``
-        and nothing is queued; a prompt whose ``max_tokens`` exceeds what
+        All prompts and parameters are validated before any runs, grammars
+        (``SamplingParams.structured_outputs``) compiled: an invalid one raises
+        ``ValueError`` and nothing is queued; a prompt whose ``max_tokens`` exceeds what
         ``max_model_len`` leaves raises :class:`~raypp.errors.ContextLengthError` (a
         ``ValueError``) naming both numbers. ``max_tokens=None`` generates until a stop
         or the context's end.
@@ -96,6 +98,10 @@ class LLM:
         prepared = [engine.prepare_prompt(p) for p in prompts]
         for (_, token_ids), p in zip(prepared, params):
             engine.validate_prompt(token_ids, p)
+        for p in {id(p): p for p in params}.values():
+            engine.validate_params(p)
+            if p.structured_outputs is not None:
+                engine.structured.compile(p.structured_outputs)
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         for request_id, (text, token_ids), p in zip(ids, prepared, params):
             engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, p)

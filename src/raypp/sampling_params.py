@@ -2,9 +2,71 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar every generated token must follow: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value
+      that validates against it (compact: one space after ``:`` and ``,``),
+    - ``json_object=True``: any JSON object,
+    - ``regex``: the output matches this regular expression,
+    - ``choice``: the output is one of these strings,
+    - ``grammar``: an EBNF grammar (GBNF-style, rule ``root`` first).
+
+    The grammar is compiled on the driver (cached per spec) by the engine's grammar
+    library (xgrammar); a spec the library rejects fails the request with a
+    ``ValueError`` carrying the library's message. Once the grammar is complete the
+    sequence stops (``finish_reason="stop"``), whatever ``ignore_eos`` or ``min_tokens``
+    say. ``max_tokens`` may still cut the output short (``finish_reason="length"``).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of "
+                             f"{', '.join(_KINDS)}; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+        _check(self.json is None or isinstance(self.json, (dict, bool)), "structured_outputs.json",
+               self.json, "a JSON schema (an object)")
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""),
+               "structured_outputs.regex", self.regex, "a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+               "structured_outputs.grammar", self.grammar, "a non-empty EBNF grammar")
+
+    @property
+    def kind(self) -> str:
+        """Which of the fields is set (``json``, ``json_object``, ``regex``, …)."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """A hashable, canonical form: equal specs compile once."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind in ("json", "choice"):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return kind, str(value)
 
 
 @dataclass
@@ -33,6 +95,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # token id -> added to its logit before sampling, in [-100, 100] (the engine checks
+    # the ids against the vocabulary)
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +106,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -71,6 +141,9 @@ class SamplingParams:
         _check(self.logprobs is None
                or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                "logprobs", self.logprobs, f"None or an integer in [0, {_MAX_LOGPROBS}]")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:
@@ -81,9 +154,34 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    @property
+    def shapes_logits(self) -> bool:
+        """True if a grammar or a logit bias changes this request's logits before each
+        token is sampled (such rows never loop on the device: the driver decides each
+        token's mask)."""
+        return self.structured_outputs is not None or bool(self.logit_bias)
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """``{token id: bias}`` from a dict whose keys are ints or their decimal strings
+    (OpenAI's JSON form); ``ValueError`` naming the bad entry."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token = int(key)
+        _check(token is not None and token >= 0, "logit_bias", key, "keyed by token ids >= 0")
+        _check(_is_number(value) and -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS,
+               "logit_bias", value, f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}] "
+               f"(token {key})")
+        out[token] = float(value)
+    return out
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -15,6 +15,12 @@ How a stage runs a step is said by one explicit field, ``mode`` (:class:`StepMod
 decided by the engine's scheduler (:mod:`raypp.engine.rounds`); no stage re-derives it:
 
 - ``FORWARD``: one forward pass; the last stage samples the rows in ``sample_rows``.
+- ``VERIFY``: a ``FORWARD`` some of whose sampled rows end in drafted tokens
+  (speculative decoding): sampled row ``r``'s last ``draft_lens[r]`` input tokens are a
+  draft; the last stage samples the target at the draft's positions and the one before
+  them, accepts the draft while it equals those samples, and returns the accepted
+  tokens plus the first sample that differs (or the one after the draft)
+  (:mod:`raypp.worker.verifier`).
 - ``DECODE_ROUND`` (a one-stage pipeline only): every row feeds one token and samples
   the next, ``num_steps`` times back to back, each sampled token fed back as the next
   input on the device; the last step's tokens stay on the device. A round that
@@ -43,6 +49,13 @@ with penalties: ``prompt`` (not ``None``) starts the sequence's history (its pro
 output empty), then its output tokens from index ``start`` on are ``tokens``; a
 sequence sampled again sends only the tokens it gained. ``finished_seq_ids`` drop
 histories too (:mod:`raypp.worker.penalty_history`).
+
+Structured outputs travel as masks, never as grammars: the driver advances each
+constrained sequence's grammar and sends, per sampled row, the packed bitmask of the
+tokens its grammar allows next (``SamplingBatch.token_bitmask``, one bit per vocabulary
+entry; :mod:`raypp.engine.structured`), and logit biases as ``(ids, biases)``; the last
+stage applies both before sampling (:mod:`raypp.worker.logits_processors`). Only
+``FORWARD`` steps carry them: such rows never join a decode round.
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ class StepMode(enum.Enum):
 
     FORWARD = "forward"
     DECODE_ROUND = "decode_round"
+    VERIFY = "verify"
 
 
 @dataclass
@@ -81,6 +95,12 @@ class SamplingBatch:
     # the last stage from its history mirror (module docstring); the engine sends none
     prompt_tokens: list[list[int]] = field(default_factory=list)
     output_tokens: list[list[int]] = field(default_factory=list)
+    # logits shaping (raypp.worker.logits_processors), each empty when no row has any, else
+    # one entry per row: the grammar's allowed next tokens as a packed little-endian int32
+    # bitmask (token t allowed iff bit t % 32 of word t // 32 is set; None: unconstrained),
+    # and the logit bias as (token ids, biases)
+    token_bitmask: list[bytes | None] = field(default_factory=list)
+    logit_bias: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
     def penalized(self, row: int) -> bool:
         """True if ``row`` samples with a presence, frequency or repetition penalty."""
@@ -113,6 +133,8 @@ class StepInput:
     penalty_history_updates: list[tuple[int, list[int] | None, int, list[int]]] = field(
         default_factory=list)
     mode: StepMode = StepMode.FORWARD
+    # VERIFY only: per sampled row, how many of its last input tokens are drafted
+    draft_lens: list[int] = field(default_factory=list)
     # DECODE_ROUND only: decode steps to run back to back
     num_steps: int = 1
     # DECODE_ROUND only: step id of the round this one continues; input id r is that
@@ -121,6 +143,8 @@ class StepInput:
     continue_rows: list[int] = field(default_factory=list)
     # test-only tracing: stages record compute intervals when set
     trace: bool = False
+    # when the driver submitted it (wall clock; 0: unknown): stages count their wait for input
+    submitted_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -177,7 +201,8 @@ class RowLogprobs:
 
 @dataclass
 class StepOutput:
-    """What the last stage returns: per sampled row, its ``num_steps`` sampled ids.
+    """What the last stage returns: per sampled row, its ``num_steps`` sampled ids (a
+    VERIFY row: its accepted drafted ids and one more).
 
     ``logprobs`` is empty or has one entry per row: ``None`` where not asked for,
     else one :class:`RowLogprobs` per sampled id.

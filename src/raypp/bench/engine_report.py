@@ -8,6 +8,7 @@ Times in keys ending ``_ms`` are milliseconds, ``_s`` seconds; a ``*_ms`` summar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -28,6 +29,8 @@ def base_result(args: argparse.Namespace, engine: Any, concurrency: int) -> dict
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        "speculative_config": (None if cfg.speculative_config is None
+                               else dataclasses.asdict(cfg.speculative_config)),
         "concurrency": concurrency,
         "control_plane": getattr(engine.executor, "control_plane", "cgraph"),
         "pp_transport": _pp_transport(engine),
@@ -118,6 +121,14 @@ def comparison(result: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def occupancy_line(stages: list[dict[str, Any]]) -> str:
+    """Each stage's busy, bubble and idle shares, wait per step and tokens per step."""
+    return "; ".join(
+        f"stage {w['stage']} busy {100 * w['busy']:.0f}% (waiting for input "
+        f"{100 * w['bubble']:.0f}%, idle {100 * w['idle']:.0f}%, {w['mean_wait_ms']:.2f} ms "
+        f"wait/step, {w['tokens_per_step']:.1f} tokens/step)" for w in stages)
+
+
 def print_summary(r: dict[str, Any]) -> None:
     lines = [
         f"{r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
@@ -135,6 +146,14 @@ def print_summary(r: dict[str, Any]) -> None:
         pc = r["prefix_cache"]
         lines.append(f"prefix caching {'on' if r['enable_prefix_caching'] else 'off'}: "
                      f"{pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens cached")
+    if r.get("speculative"):
+        sp = r["speculative"]
+        lines.append(f"speculative decoding: {sp['spec_accepted_tokens']} of "
+                      f"{sp['spec_drafted_tokens']} drafted tokens accepted "
+                      f"({100 * sp['spec_acceptance_rate']:.1f}%), mean accepted length "
+                      f"{sp['spec_mean_accepted_length']:.2f} tokens per verification")
+    if r.get("stage_occupancy"):
+        lines.append("stage occupancy: " + occupancy_line(r["stage_occupancy"]))
     if "step_ms" in r:
         for kind in ("prefill", "decode"):
             wall = r["step_ms"][kind]["wall_ms"]

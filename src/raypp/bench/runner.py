@@ -23,6 +23,7 @@ from raypp.bench.engine_report import (
     comparison,
     load_avg,
     ms_summary,
+    occupancy_line,
     print_summary,
     step_rows,
     step_summary,
@@ -68,6 +69,41 @@ def _warm_up(engine: Any, recorder: StepRecorder, requests: list[BenchRequest], 
         drive(engine, recorder, warm, len(warm), prefix="warmup")
         _discard_traces(engine)
     engine.reset_prefix_cache()
+
+
+class _SpeculationDelta:
+    """Speculative decoding's counters from construction to :meth:`stop` (``None`` with
+    speculation off)."""
+
+    def __init__(self, engine: Any):
+        self.stats = engine.stats
+        self.on = engine.config.speculative_config is not None
+        self.start = self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        s = self.stats
+        return s.spec_verifications, s.spec_drafted_tokens, s.spec_accepted_tokens
+
+    def stop(self) -> dict[str, Any] | None:
+        if not self.on:
+            return None
+        from raypp.engine.speculative import speculative_metrics
+
+        return speculative_metrics(*(b - a for a, b in zip(self.start, self._now())))
+
+
+class _OccupancyDelta:
+    """Each stage's occupancy (:mod:`raypp.engine.occupancy`) from construction to
+    :meth:`stop`."""
+
+    def __init__(self, engine: Any):
+        self.executor = engine.executor
+        self.start = self.executor.occupancy(timeout=60)
+
+    def stop(self) -> list[dict[str, Any]]:
+        from raypp.engine.occupancy import windows
+
+        return [w.as_dict() for w in windows(self.start, self.executor.occupancy(timeout=60))]
 
 
 class _PrefixCacheDelta:
@@ -121,7 +157,8 @@ def _attach_timeline(args: argparse.Namespace, engine: Any, recorder: StepRecord
     if args.timeline:
         title = (f"raypp bench {kind}: pp={result['pipeline_parallel_size']}, "
                  f"max_inflight={result['max_inflight']}, concurrency={result['concurrency']}, "
-                 f"{result['output_tokens_per_s']:.1f} output tok/s")
+                 f"{result['output_tokens_per_s']:.1f} output tok/s\n"
+                 + occupancy_line(result.get("stage_occupancy", [])))
         trace, png = write_timeline(tl, args.timeline, title)
         result["timeline"] = {"chrome_trace": str(trace), "png": str(png)}
         print(f"timeline: {trace} (open in https://ui.perfetto.dev), {png}")
@@ -162,6 +199,8 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         engine.trace_steps = True
         load_at_start = load_avg()
         prefix_cache = _PrefixCacheDelta(engine)
+        occupancy = _OccupancyDelta(engine)
+        speculation = _SpeculationDelta(engine)
         meter.start()
         with tqdm(total=len(requests), desc="bench throughput", dynamic_ncols=True,
                   disable=args.no_progress) as bar:
@@ -172,7 +211,9 @@ def run_throughput(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
                   **throughput_numbers(requests, stats),
                   "ttft_ms": ms_summary(stats.ttft_s), "tpot_ms": ms_summary(stats.tpot_s),
                   "step_ms": step_summary(stats.step_times),
-                  "prefix_cache": prefix_cache.stop(), "cpu": cpu,
+                  "prefix_cache": prefix_cache.stop(), "speculative": speculation.stop(),
+                  "stage_occupancy": occupancy.stop(),
+                  "cpu": cpu,
                   "nice": {name: _nice(pid) for name, pid in pids.items()},
                   "load_avg_at_start": load_at_start}
         _attach_timeline(args, engine, recorder, result, "throughput")
@@ -243,6 +284,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
         meter = CpuMeter.with_driver(_stage_pids(engine))
         engine.trace_steps = True
         load_at_start = load_avg()
+        occupancy = _OccupancyDelta(engine)
         meter.start()
         total = RunStats()
         latencies, rows = [], []
@@ -262,6 +304,7 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
                                 for k, v in summarize(latencies).items()},
                   "ttft_ms": ms_summary(total.ttft_s), "tpot_ms": ms_summary(total.tpot_s),
                   "step_ms": step_summary(total.step_times), "steps": rows,
+                  "stage_occupancy": occupancy.stop(),
                   "cpu": cpu, "load_avg_at_start": load_at_start}
         _attach_timeline(args, engine, recorder, result, "latency")
     finally:

@@ -90,7 +90,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._last_step_failed = False
-        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests),
+                                          engine.occupancy.latest)
         self._collect_stage_times = collect_stage_times
         self._stage_times: deque[tuple[int, float]] = deque(maxlen=10_000)
         self._last_stage_drain = time.monotonic()
@@ -132,6 +133,18 @@ class AsyncLLMEngine:
         text, token_ids = self.engine.prepare_prompt(prompt)
         self.engine.validate_prompt(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """``ValueError`` if ``params`` cannot run on this model (safe off the loop thread:
+        it only reads the config)."""
+        self.engine.validate_params(params)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' grammar, if any, on the engine's compile thread (cached per
+        spec); the awaiting task waits, nothing else does. ``ValueError`` with the grammar
+        library's message if it rejects the spec."""
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.structured.submit(params.structured_outputs))
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -288,7 +301,8 @@ class AsyncLLMEngine:
 
     def _publish(self, idle: bool) -> None:
         engine = self.engine
-        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests))
+        self._stats = engine.stats.snapshot(engine.scheduler, len(engine.requests),
+                                          engine.occupancy.latest)
         if not idle:
             self._steps_since_drain += 1
         if self._collect_stage_times and self._steps_since_drain:

@@ -19,19 +19,21 @@ import logging
 import random
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from raypp.config import EngineConfig
 from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
+from raypp.engine.occupancy import OccupancyMonitor
 from raypp.engine.output_processor import OutputProcessor, request_output
 from raypp.engine.request_checks import check_max_tokens, check_prompt
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
 from raypp.engine.stats import EngineStats
 from raypp.engine.step_builder import StepBuilder
+from raypp.engine.structured import StructuredOutputs
 from raypp.engine.tokenizer import load_tokenizer
 from raypp.errors import (
     EngineDeadError,
@@ -77,8 +79,16 @@ class LLMEngine:
         self._restart_error = ""
         self._dead: str | None = None
         self.block_manager = self._new_block_manager()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
+                                   config.speculative_config, config.model.hidden_size)
         self.requests: dict[str, Request] = {}
+        self.occupancy = OccupancyMonitor(lambda: self.executor.occupancy(),
+                                          config.runtime.stats_interval_s)
+        # structured outputs: grammars compile off this thread; a request waits here
+        # (not yet scheduled) until its grammar is ready
+        self.structured = StructuredOutputs(self.tokenizer, config.model.vocab_size,
+                                            config.model.eos_token_ids())
+        self._compiling: list[tuple[Request, Future]] = []
         self.step_builder = StepBuilder(self.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer, set(config.model.eos_token_ids()),
                                                 self.scheduler, self.requests)
@@ -106,18 +116,60 @@ class LLMEngine:
         if params is not None:
             check_max_tokens(len(token_ids), params.max_tokens, max_model_len)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """``ValueError`` if ``params`` cannot run on this model (logit bias ids outside
+        the vocabulary). Grammars are checked by compiling them (:attr:`structured`)."""
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad[:5]}")
+
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None) -> None:
-        """Queue a request; ``ValueError`` (and nothing queued) if it is invalid."""
+        """Queue a request; ``ValueError`` (and nothing queued) if it is invalid.
+
+        A request with ``structured_outputs`` is scheduled once its grammar compiled
+        (off this thread; at once when cached); a grammar the library rejects raises
+        here if that is already known, else finishes the request with an error
+        (``ErrorKind.INVALID_REQUEST``)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.prepare_prompt(prompt)
         self.validate_prompt(token_ids, params)
+        self.validate_params(params)
+        future = None
+        if params.structured_outputs is not None:
+            future = self.structured.submit(params.structured_outputs)
+            if future.done() and future.exception() is not None:
+                raise future.exception()
         seqs = [self._new_sequence(request_id, i, token_ids, params) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        request = self.requests[request_id] = Request(request_id, text, token_ids, params, seqs)
+        if future is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        else:
+            self._compiling.append((request, future))
+            self._admit_compiled()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammars compiled; fail those the library
+        rejected (their outputs)."""
+        waiting, self._compiling, failed = self._compiling, [], []
+        for request, future in waiting:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted while compiling
+            if not future.done():
+                self._compiling.append((request, future))
+            elif future.exception() is not None:
+                self._fail_request(request, f"{future.exception()}", ErrorKind.INVALID_REQUEST)
+                failed.append(request_output(request))
+                del self.requests[request.request_id]
+            else:
+                for seq in request.seqs:
+                    seq.grammar = self.structured.grammar(future.result())
+                    self.scheduler.add(seq)
+        return failed
 
     def prepare_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a string, token-id list or prompt dict."""
@@ -197,6 +249,8 @@ class LLMEngine:
         started = time.perf_counter()
         if self._needs_restart and not self._restart():
             return []
+        if self._compiling and (rejected := self._admit_compiled()):
+            return rejected
         try:
             self._fill_pipeline()
         except (StageDiedError, StepTimeoutError) as e:
@@ -232,9 +286,16 @@ class LLMEngine:
         stats.steps += 1
         stats.tokens_processed += item.step.num_tokens * item.step.num_steps
         stats.tokens_generated = self.output_processor.tokens_generated
+        speculator = self.scheduler.rounds.speculator
+        if speculator is not None:
+            stats.spec_verifications = speculator.verifications
+            stats.spec_drafted_tokens = speculator.drafted
+            stats.spec_accepted_tokens = speculator.accepted
         stats.step_time_s += got - waited
         stats.max_step_wait_s = max(stats.max_step_wait_s, got - waited)
         stats.overhead_time_s += (waited - started) + (time.perf_counter() - got)
+        self.occupancy.tick(bool(self.requests), lambda: stats.snapshot(
+            self.scheduler, len(self.requests)).summary())
         return outputs
 
     def _fill_pipeline(self) -> None:
@@ -254,6 +315,7 @@ class LLMEngine:
     def _launch(self, batch: MicroBatch) -> None:
         """Build and submit ``batch``; if submitting fails, it is completed as failed."""
         step = self.step_builder.build(batch)
+        step.submitted_at = time.time()
         try:
             handle = self.executor.submit(step)
         except BaseException:
@@ -331,6 +393,7 @@ class LLMEngine:
         # use: failed requests were finished and the running ones requeued)
         self.block_manager = self.scheduler.blocks = self._new_block_manager()
         self.step_builder.reset()  # nor do they hold any block table
+        self.occupancy.reset()
         self._needs_restart = False
         logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
         return True
@@ -378,4 +441,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (idempotent); later steps raise :class:`EngineDeadError`."""
         self._dead = self._dead or "engine was shut down"
+        self.structured.close()
         self.executor.shutdown()

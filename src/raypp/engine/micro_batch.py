@@ -3,7 +3,7 @@ tokens, and how the stages run it (:mod:`raypp.engine.rounds` decides that)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raypp.engine.sequence import Sequence
 from raypp.step import StepMode
@@ -13,14 +13,23 @@ from raypp.step import StepMode
 class ScheduledSeq:
     seq: Sequence
     start: int  # position of the first token fed (seq.next_position when scheduled)
-    num_tokens: int  # tokens fed (per step of a decode round: 1)
+    num_tokens: int  # tokens fed (per step of a decode round: 1), drafted ones included
     sample: bool  # this chunk reaches the end: a token is sampled
+    # drafted tokens fed after the sequence's last one, for the target to verify
+    # (raypp.engine.speculative); the row then samples len(draft) + 1 positions
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def first_sampled(self) -> int:
+        """Index in the sequence of the first token this row samples."""
+        return self.start + self.num_tokens - len(self.draft)
 
 
 @dataclass
 class MicroBatch:
     seqs: list[ScheduledSeq]
     num_steps: int = 1  # decode steps back to back (> 1 only for a DECODE_ROUND)
+    # FORWARD, a DECODE_ROUND, or a VERIFY (a FORWARD some of whose rows end in drafts)
     mode: StepMode = StepMode.FORWARD  # how the stages run it (raypp.engine.rounds)
     continues: MicroBatch | None = None  # the round whose last sampled tokens this feeds
     step_id: int | None = None  # set when built (StepBuilder)

@@ -4,7 +4,9 @@ place, incremental detokenization, logprobs.
 Stops, in the order they apply to each sampled token: a stop or EOS id (once
 ``min_tokens`` are out), a stop string in the decoded text (which outranks the
 length limit on the same token), then the length limit (``max_tokens`` or
-``max_model_len``). Tokens a multi-step decode round sampled past a stop are dropped.
+``max_model_len``). A constrained sequence also stops once its grammar is complete
+(:mod:`raypp.engine.structured`: every appended token advances its matcher). Tokens a
+multi-step decode round sampled past a stop are dropped.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from raypp.engine import detokenizer
+from raypp.engine import detokenizer, structured
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence, SequenceStatus
+from raypp.engine.speculative import speculative_metrics
 from raypp.outputs import CompletionOutput, Logprob, RequestOutput
 from raypp.step import RowLogprobs, StepOutput
 
@@ -47,7 +50,7 @@ class OutputProcessor:
         runs while the next micro-batch is on the device. Returns ``(sequences, text
         pending)``.
         """
-        self.scheduler.complete(batch)
+        self.scheduler.complete(batch, sampled=result.token_ids)
         sampled = [item.seq for item in batch.seqs if item.sample]
         assert len(sampled) == len(result.token_ids), (len(sampled), len(result.token_ids))
         logprobs = result.logprobs or [None] * len(sampled)
@@ -58,8 +61,9 @@ class OutputProcessor:
         for seq, tokens, row_logprobs in by_tokens:
             self._append_tokens(seq, tokens, row_logprobs)
         by_text = [row for row in rows if row[0].params.stop_strings]
-        for j in range(batch.num_steps if by_text else 0):
-            live = [row for row in by_text if row[0].status is SequenceStatus.RUNNING]
+        for j in range(max((len(row[1]) for row in by_text), default=0)):
+            live = [row for row in by_text
+                    if row[0].status is SequenceStatus.RUNNING and j < len(row[1])]
             for seq, tokens, row_logprobs in live:
                 self._append_tokens(seq, tokens[j:j + 1],
                                     row_logprobs[j:j + 1] if row_logprobs else None,
@@ -107,6 +111,8 @@ class OutputProcessor:
                                 for t, lp in zip(tokens[:take], row_logprobs))
         if stopped_by is not None:
             seq.finish("stop", stopped_by if stopped_by in params.stop_token_ids else None)
+        elif seq.grammar is not None and structured.advance(seq, tokens[:take]):
+            seq.finish("stop")  # its grammar is complete
         elif length_stops and self.scheduler.room(seq) == 0:
             seq.finish("length")
 
@@ -185,6 +191,11 @@ def request_output(request: Request) -> RequestOutput:
     metrics = {"arrival_time": request.arrival_time}
     if request.first_token_time is not None:
         metrics["first_token_time"] = request.first_token_time
+    drafts = [s.draft_stats for s in request.seqs if s.draft_stats is not None]
+    if drafts:
+        metrics.update(speculative_metrics(sum(d.verifications for d in drafts),
+                                           sum(d.drafted for d in drafts),
+                                           sum(d.accepted for d in drafts)))
     return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                          completions, request.finished, metrics, request.error,
                          request.error_kind, request.seqs[0].num_cached_tokens or 0)

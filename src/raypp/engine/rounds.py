@@ -17,6 +17,11 @@ round before it reads this one's result). Every other micro-batch is a plain
 - whether a round may be continued before its result is read
   (:meth:`RoundPolicy.may_continue`).
 
+- with speculative decoding, which decode rows carry drafted tokens and how many
+  (:meth:`RoundPolicy.draft`, :mod:`raypp.engine.speculative`): a micro-batch with a
+  draft is a ``VERIFY`` step (one step, never continued ahead: the driver needs the
+  accepted tokens before it can draft again); one with none may still be a round.
+
 The scheduler owns one policy and applies it; the block reservation for a round's
 steps, and which sequences join, stay the scheduler's. What a sequence has in flight
 is one count on the sequence (:attr:`~raypp.engine.sequence.Sequence.num_inflight_tokens`).
@@ -28,19 +33,25 @@ import time
 from typing import TYPE_CHECKING
 
 from raypp.config import ROUND_TARGET_S, SchedulerConfig
+from raypp.engine.speculative import Speculator
+from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
 
 if TYPE_CHECKING:
     from raypp.engine.micro_batch import MicroBatch, ScheduledSeq
+    from raypp.engine.sequence import Sequence
 
 
 class RoundPolicy:
     """Round decisions for one scheduler (module docstring). ``config`` is sized
     (:meth:`SchedulerConfig.size_for`)."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None):
+        self.speculator = None if speculative is None else Speculator(speculative)
         self.device_loops = config.device_loops
-        self.continues = config.rounds_ahead > 0
+        # a continued round's rows are in flight when the next step is formed, so they
+        # could not draft: with speculative decoding, rounds are not continued ahead
+        self.continues = config.rounds_ahead > 0 and self.speculator is None
         self.limit = config.num_decode_steps  # the most steps a round ever takes
         self.adaptive = config.adaptive_rounds
         # the most steps a round may take now: sized by observe() when adaptive
@@ -51,14 +62,32 @@ class RoundPolicy:
     @staticmethod
     def loops_on_device(item: ScheduledSeq) -> bool:
         """True if ``item`` feeds exactly its last token and samples without penalties
-        (those need the token history on the host): a row a round can carry."""
-        return item.num_tokens == 1 and item.sample and not item.seq.params.uses_penalties
+        (those need the token history on the host), a grammar or a logit bias (the
+        driver builds each token's mask from the tokens before it, so a constrained
+        row takes one FORWARD step per round trip and is never continued ahead): a row
+        a round can carry."""
+        params = item.seq.params
+        return (item.num_tokens == 1 and item.sample and not params.uses_penalties
+                and not params.shapes_logits)
 
     def mode(self, items: list[ScheduledSeq]) -> StepMode:
-        """``DECODE_ROUND`` if the stage can run these rows as a round, else ``FORWARD``."""
+        """``DECODE_ROUND`` if the stage can run these rows as a round, ``VERIFY`` if a row
+        carries a draft, else ``FORWARD``."""
         if self.device_loops and all(self.loops_on_device(i) for i in items):
             return StepMode.DECODE_ROUND
+        if any(item.draft for item in items):
+            return StepMode.VERIFY
         return StepMode.FORWARD
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        """Drafted tokens for decode row ``seq`` (at most ``limit``); none without
+        speculative decoding."""
+        return [] if self.speculator is None else self.speculator.draft(seq, limit)
+
+    def observe_draft(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verification of ``seq`` accepted ``accepted`` of ``drafted`` tokens."""
+        if self.speculator is not None:
+            self.speculator.observe(seq, drafted, accepted)
 
     def max_steps(self, can_admit: bool) -> int:
         """Steps a new round may take now; ``can_admit``: a waiting request could join a

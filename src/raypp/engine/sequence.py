@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from raypp.errors import ErrorKind
 from raypp.outputs import Logprob
@@ -15,6 +16,19 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class DraftStats:
+    """One sequence's speculative decoding: its draft-length cap now, the adaptation's
+    state, and what it drafted and had accepted (:mod:`raypp.engine.speculative`)."""
+
+    cap: int  # the most tokens drafted for it next
+    misses: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # schedulings left without drafting
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0  # steps that verified a draft of it
 
 
 @dataclass
@@ -56,6 +70,10 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    # structured outputs: the matcher of its grammar (raypp.engine.structured.SeqGrammar),
+    # which has accepted exactly output_token_ids
+    grammar: Any = None
+    draft_stats: DraftStats | None = None  # with speculative decoding on, once drafted for
     # incremental detokenization
     text: str = ""
     prefix_offset: int = 0

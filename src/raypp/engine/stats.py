@@ -9,10 +9,12 @@ iteration and the server's ``/metrics`` reads. In ``engine.stats`` itself they s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from raypp.engine.occupancy import StageWindow
     from raypp.engine.scheduler import Scheduler
 
 
@@ -28,6 +30,10 @@ class EngineStats:
     max_step_wait_s: float = 0.0  # longest single wait for a step result
     overhead_time_s: float = 0.0  # scheduling, descriptor building, postprocessing
     rounds_ahead: int = 0  # decode rounds submitted before the round they continue was read
+    # speculative decoding: rows verified with a draft, tokens drafted, of which accepted
+    spec_verifications: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # the load at one moment: filled by snapshot()
     running: int = 0  # requests with at least one sequence running
     waiting: int = 0  # requests queued, none of their sequences running yet
@@ -35,13 +41,26 @@ class EngineStats:
     kv_blocks_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int = 0  # of which found there
+    prefill_chunks_overlapped: int = 0  # prompt chunks that entered while earlier ones were in flight
+    # per stage, the latest occupancy window (StageWindow.as_dict; raypp.engine.occupancy)
+    stage_occupancy: list[dict[str, Any]] = field(default_factory=list)
 
-    def snapshot(self, scheduler: Scheduler, num_requests: int) -> EngineStats:
+    def snapshot(self, scheduler: Scheduler, num_requests: int,
+                 stages: Sequence[StageWindow] = ()) -> EngineStats:
         """A copy of these counters with the load of ``scheduler`` (and its block
-        manager) and ``num_requests`` unfinished requests filled in."""
+        manager), ``num_requests`` unfinished requests and the stages' latest occupancy
+        windows filled in."""
         running = len({seq.request_id for seq in scheduler.running})
         return replace(
             self, running=running, waiting=max(0, num_requests - running),
             kv_blocks_used=scheduler.blocks.num_used, kv_blocks_total=scheduler.blocks.num_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits)
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            prefill_chunks_overlapped=scheduler.num_overlapped_chunks,
+            stage_occupancy=[w.as_dict() for w in stages])
+
+    def summary(self) -> str:
+        """One line of a snapshot's load, for the engine's periodic log."""
+        return (f"running {self.running}, waiting {self.waiting}, KV blocks "
+                f"{self.kv_blocks_used}/{self.kv_blocks_total}, {self.tokens_generated} "
+                f"tokens generated")

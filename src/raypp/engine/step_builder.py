@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import itertools
 
+from raypp.engine import structured
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Sequence
-from raypp.step import SamplingBatch, StepInput
+from raypp.step import SamplingBatch, StepInput, StepMode
 
 
 class StepBuilder:
@@ -41,6 +42,7 @@ class StepBuilder:
     def build(self, batch: MicroBatch) -> StepInput:
         """The step of ``batch`` (which gets its ``step_id``)."""
         ids, query_start, seq_lens, seq_ids, rows = [], [0], [], [], []
+        draft_lens: list[int] = []  # per sampled row of a VERIFY step
         sampled: list[tuple[Sequence, int]] = []  # (sequence, output index sampled)
         drops = self._drain_drops()
         updates = []
@@ -53,7 +55,8 @@ class StepBuilder:
             if continued is not None:  # the stage feeds the previous round's last tokens
                 ids.append(0)
             else:
-                ids.extend(seq.token_ids(start, end))
+                ids.extend(seq.token_ids(start, end - len(item.draft)))
+                ids.extend(item.draft)
             query_start.append(len(ids))
             seq_lens.append(end)
             seq_id, table = seq.seq_id, seq.block_table
@@ -67,7 +70,9 @@ class StepBuilder:
                 held[seq_id] = (seq.block_epoch, len(table))
             if item.sample:
                 rows.append(len(ids) - 1)
-                sampled.append((seq, end - len(seq.prompt_token_ids)))
+                sampled.append((seq, item.first_sampled - len(seq.prompt_token_ids)))
+                if batch.mode is StepMode.VERIFY:
+                    draft_lens.append(len(item.draft))
                 if seq.params.uses_penalties:
                     self._add_history(seq, histories)
         continue_rows = []
@@ -87,6 +92,7 @@ class StepBuilder:
             finished_seq_ids=drops,
             penalty_history_updates=histories,
             mode=batch.mode,
+            draft_lens=draft_lens,
             num_steps=batch.num_steps,
             continues=None if continued is None else continued.step_id,
             continue_rows=continue_rows,
@@ -155,4 +161,7 @@ def sampling_batch(rows: list[tuple[Sequence, int]]) -> SamplingBatch:
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],
         repetition_penalty=[p.repetition_penalty for p in params],
+        token_bitmask=structured.token_bitmasks(seqs),
+        logit_bias=([(list(p.logit_bias), list(p.logit_bias.values())) if p.logit_bias else None
+                     for p in params] if any(p.logit_bias for p in params) else []),
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,25 @@ def load_tokenizer(model: str) -> Any:
         raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {e}") from e
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                **template_kwargs: Any) -> str:
     """Apply the tokenizer's chat template (with the generation prompt).
 
-    A model without a template gets a plain ``role: content`` transcript ending
-    in ``assistant:``, so chat still works, visibly un-templated.
+    Messages are OpenAI's: ``role`` and ``content``, and where they apply
+    ``tool_calls`` (assistant; each ``function.arguments`` an object) and
+    ``tool_call_id`` (``tool``); ``tools`` (OpenAI's JSON) and ``template_kwargs`` go
+    to the template as transformers passes them. A model without a template gets a
+    plain ``role: content`` transcript ending in ``assistant:`` (tool calls written as
+    JSON), so chat still works, visibly un-templated.
     """
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError("each chat message needs 'role' and 'content'")
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True, **template_kwargs)
+    lines = []
+    for m in messages:
+        calls = "".join(" " + json.dumps(c["function"]) for c in m.get("tool_calls") or [])
+        lines.append(f"{m['role']}: {m['content'] or ''}{calls}")
     return "\n".join(lines) + "\nassistant:"

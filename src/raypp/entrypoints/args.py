@@ -92,6 +92,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="submit a decode batch's next multi-step round "
                         "before reading the current one (pp=1; default on)")
+    parser.add_argument("--pipelined-prefill", action=argparse.BooleanOptionalAction,
+                        default=None, help="pp > 1: a long prompt's next chunk enters the "
+                        "pipeline while its earlier chunks are still in it (default on)")
+    parser.add_argument("--long-prefill-chunk-tokens", type=int, default=None,
+                        help="most tokens of one prompt per step (default: the step budget, "
+                             "over the stages with pipelined prefill)")
+    parser.add_argument("--balanced-prefill-chunks", action=argparse.BooleanOptionalAction,
+                        default=None, help="later prompt chunks shrink as their context "
+                        "grows, for even stage times (default on)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of prompt prefixes seen before "
                         "(default on; --no-enable-prefix-caching turns it off)")
@@ -122,6 +131,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
                         help="longest wait for one pipeline step before it counts as hung "
                              "(default: RAYPP_STEP_TIMEOUT_S, 60)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (default: off)')
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _layer_partition(text: str) -> list[int]:
@@ -152,6 +176,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
         "num_decode_steps": args.num_decode_steps,
         "async_scheduling": args.async_scheduling,
+        "pipelined_prefill": args.pipelined_prefill,
+        "long_prefill_chunk_tokens": args.long_prefill_chunk_tokens,
+        "balanced_prefill_chunks": args.balanced_prefill_chunks,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -161,6 +188,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "step_timeout_s": args.step_timeout_s,
         "workers_per_gpu": args.workers_per_gpu,
         "cpu_threads": args.cpu_threads,
+        "speculative_config": args.speculative_config,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

@@ -69,6 +69,28 @@ class ServerMetrics:
         self.prefix_hits = Counter(
             "raypp_prefix_cache_hits", "Prompt tokens the prefix cache supplied", registry=r)
         self._prefix_seen = (0, 0)  # the engine's cumulative (queries, hits) at the last scrape
+        self.spec = {  # speculative decoding, named as vLLM's spec_decode counters
+            "spec_verifications": Counter(
+                "raypp_spec_decode_num_drafts", "Sequence steps that verified a draft",
+                registry=r),
+            "spec_drafted_tokens": Counter(
+                "raypp_spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r),
+            "spec_accepted_tokens": Counter(
+                "raypp_spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r),
+        }
+        self._spec_seen = dict.fromkeys(self.spec, 0)
+        self.stage_occupancy = {  # the latest window per stage (raypp.engine.occupancy)
+            "busy": Gauge("raypp_stage_busy_fraction", "Share of the latest window a stage "
+                          "spent computing", ["stage"], registry=r),
+            "bubble": Gauge("raypp_stage_bubble_fraction", "Share of the latest window a stage "
+                            "waited for the input of a submitted step", ["stage"], registry=r),
+            "idle": Gauge("raypp_stage_idle_fraction", "Share of the latest window a stage was "
+                          "not computing (bubbles included)", ["stage"], registry=r),
+            "mean_wait_ms": Gauge("raypp_stage_mean_input_wait_milliseconds", "Mean wait for a "
+                                  "step's input in the latest window", ["stage"], registry=r),
+            "tokens_per_step": Gauge("raypp_stage_tokens_per_step", "Mean tokens fed per step "
+                                     "in the latest window", ["stage"], registry=r),
+        }
         self.stage_step = Histogram(
             "raypp_stage_step_seconds", "Compute time of one micro-batch on one pipeline stage",
             ["stage"], buckets=_STEP_BUCKETS, registry=r)
@@ -84,6 +106,13 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - hits))
         self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        for name, counter in self.spec.items():
+            value = getattr(stats, name)
+            counter.inc(max(0, value - self._spec_seen[name]))
+            self._spec_seen[name] = value
+        for window in stats.stage_occupancy:
+            for key, gauge in self.stage_occupancy.items():
+                gauge.labels(stage=str(window["stage"])).set(window[key])
         for stage, seconds in engine.pop_stage_times():
             self.stage_step.labels(stage=str(stage)).observe(seconds)
         return generate_latest(self.registry)

@@ -26,12 +26,17 @@ import importlib
 import logging
 import threading
 import weakref
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import ray
 
 from raypp.config import EngineConfig
 from raypp.errors import StageDiedError, StepTimeoutError
 from raypp.executor.stage_pool import StagePool
 from raypp.step import StepInput, StepOutput
+
+if TYPE_CHECKING:
+    from raypp.worker.occupancy import OccupancyTotals
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,12 @@ class Executor(abc.ABC):
     def comm_stats(self) -> list[dict[str, Any]]:
         """PP traffic counters of every worker, in rank order (pp-major)."""
         return self.pool.call_all("comm_stats", 60)
+
+    def occupancy(self, timeout: float = 5.0) -> list[OccupancyTotals]:
+        """Every stage's busy/wait counters now (its first TP rank's), in stage order;
+        raises like :meth:`traced_intervals` when a stage does not answer."""
+        return ray.get([lane[0].occupancy_totals.remote() for lane in self.workers],
+                       timeout=timeout)
 
     def traced_intervals(self, timeout: float = 60.0) -> list[tuple[int, float, float]]:
         """``(pp_rank, start, end)`` of every step each worker traced since the last call

@@ -106,7 +106,8 @@ class CompiledGraphExecutor(Executor):
         tokens = sc.max_num_batched_tokens
         tensors = 2 * tokens * mc.hidden_size * mc.torch_dtype.itemsize
         blocks = -(-mc.max_model_len // self.config.cache.block_size)
-        descriptor = 64 * tokens + 8 * sc.max_num_seqs * (blocks + 64)
+        # + each sampled row's grammar bitmask (one bit per vocabulary entry)
+        descriptor = 64 * tokens + 8 * sc.max_num_seqs * (blocks + 64 + mc.vocab_size // 64)
         return int(max(self.config.runtime.cgraph_buffer_bytes, tensors + descriptor + 2**20))
 
     def graph_communicators(self) -> dict[str, Any]:

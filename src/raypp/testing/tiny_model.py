@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+# a Hermes/Qwen-style chat template: system, user, assistant (with <tool_call> calls), tool
+# results, and the tools listed in the system turn
+TOOL_CHAT_TEMPLATE = (Path(__file__).parent / "data" / "tool_chat_template.jinja").read_text()
 _SPECIAL = ["<s>", "</s>", "<pad>"]
 
 
@@ -45,6 +48,7 @@ class TinyModelSpec:
     sliding_window: int | None = None  # mistral, qwen3 (with use_sliding_window), gemma3
     extra_config: dict[str, Any] = field(default_factory=dict)
     save_original_format: bool = True  # False: transformers' fused expert tensors
+    chat_template: str | None = None  # Jinja; TOOL_CHAT_TEMPLATE renders tools (Hermes/Qwen style)
 
 
 # architecture → (transformers config class, model class) names
@@ -123,6 +127,8 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, **overr
     if not spec.save_original_format:
         kwargs["save_original_format"] = False
     model.save_pretrained(path, **kwargs)
+    if spec.chat_template is not None:
+        tokenizer.chat_template = spec.chat_template
     tokenizer.save_pretrained(path)
     _drop_generation_defaults(path)
     return path

@@ -24,6 +24,7 @@ from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
 from raypp.worker.penalty_history import PenaltyHistoryMirror
 from raypp.worker.sampler import SamplingTensors, sample
+from raypp.worker.verifier import verified_rows, verify
 
 
 class ModelRunner:
@@ -63,6 +64,10 @@ class ModelRunner:
         if not stage.is_last:
             hidden, residual = self._forward(resolved, handoff)
             return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
+        if step.mode is StepMode.VERIFY:
+            logits = self._logits(resolved, handoff, verified_rows(resolved))
+            assert logits is not None
+            return StepOutput(step.step_id, *verify(logits, resolved))
         return self._sample(resolved, self._logits(resolved, handoff))
 
     # -- one step -------------------------------------------------------------------------
@@ -86,14 +91,16 @@ class ModelRunner:
         return self.model(positions, meta, self.kv_caches, hidden_states=handoff.hidden_states,
                           residual=handoff.residual)
 
-    def _logits(self, step: ResolvedStep, handoff: StageHandoff | None) -> torch.Tensor | None:
-        """Run the last stage on ``step``: logits of its sampled rows (``None`` if none)."""
-        rows = step.sample_rows
+    def _logits(self, step: ResolvedStep, handoff: StageHandoff | None,
+                rows: list[int] | None = None) -> torch.Tensor | None:
+        """Run the last stage on ``step``: logits of the token indices ``rows`` (default:
+        its sampled rows; ``None`` if there are none)."""
+        rows = step.sample_rows if rows is None else rows
         picked = torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
         graphs = self.graphs
         if graphs is not None and graphs.can_run(step):
             logits = graphs.run(step, handoff)  # every row's, computed inside the graph
-            if len(rows) == step.num_seqs:  # a decode step samples every row, in order
+            if rows is step.sample_rows and len(rows) == step.num_seqs:  # decode: every row
                 return logits
             return None if picked is None else logits.index_select(0, picked)
         hidden, _ = self._eager_forward(step, handoff)
@@ -138,6 +145,9 @@ class ModelRunner:
             assert previous is not None
             _feed_last_tokens(inputs.input_ids, previous[1], step.continue_rows)
         assert step.sampling is not None
+        if step.sampling.token_bitmask or step.sampling.logit_bias:  # RoundPolicy keeps them out
+            raise ValueError(f"step {step.step_id} is a decode round with token masks or logit "
+                             "biases, which only a FORWARD step applies")
         run = run_decode_steps(
             forward, inputs, SamplingTensors.build(step.sampling, self.device), step.num_steps,
             self.block_size)

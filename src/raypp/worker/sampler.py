@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raypp.step import RowLogprobs, SamplingBatch
+from raypp.worker.logits_processors import shape_logits
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27, so products with 32-bit values stay inside int64
@@ -133,8 +134,11 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors, offset: int = 0) -> 
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[RowLogprobs | None]]:
-    """Sampled token per row, and logprobs (of the raw model distribution) where asked."""
+    """Sampled token per row, and logprobs where asked: of the model's distribution after
+    the row's logit bias and grammar mask (:mod:`raypp.worker.logits_processors`), before
+    penalties, temperature and the top-k / top-p / min-p filters."""
     t = SamplingTensors.build(batch, logits.device)
+    logits = shape_logits(logits, batch)
     stats = logprob_stats(logits, t)
     if batch.any_penalties:
         logits = apply_penalties(logits.to(torch.float32, copy=True), batch)

@@ -35,6 +35,7 @@ from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.faults import FaultInjector
 from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
+from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30
@@ -67,6 +68,7 @@ class StageWorker:
         self.model: Any = None
         self.runner: ModelRunner | None = None  # made in init_kv_cache
         self.timeline: list[tuple[int, float, float]] = []
+        self.occupancy = StageOccupancy(self.pp_rank)
         self._fault = FaultInjector.for_stage(config.runtime.fault_inject, pp_rank)
         self._direct_loop: Any = None
 
@@ -207,8 +209,10 @@ class StageWorker:
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
             raise StageError(f"stage {self.pp_rank} (tp rank {self.tp_rank}) failed at step "
                              f"{step.step_id}: {type(e).__name__}: {e}") from e
+        ended = time.time()
+        self.occupancy.record(step.submitted_at, started, ended, step.num_tokens * step.num_steps)
         if step.trace:
-            self.timeline.append((self.pp_rank, started, time.time()))
+            self.timeline.append((self.pp_rank, started, ended))
         return out
 
     # -- the direct control plane ------------------------------------------------------
@@ -242,6 +246,10 @@ class StageWorker:
         from ray.experimental.channel import ChannelContext
 
         return [type(c).__name__ for c in ChannelContext.get_current().communicators.values()]
+
+    def occupancy_totals(self) -> OccupancyTotals:
+        """This stage's busy/wait counters now (:mod:`raypp.worker.occupancy`)."""
+        return self.occupancy.totals()
 
     def traced_intervals(self) -> list[tuple[int, float, float]]:
         out, self.timeline = list(self.timeline), []

@@ -1,9 +1,11 @@
 """The OpenAI-compatible ASGI app: routes, authorization, middleware, error handlers.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions`` (both stream as SSE ending in ``data: [DONE]``), ``GET
+Endpoints: ``GET /v1/models`` (the served names and ``max_model_len``), ``POST
+/v1/completions``, ``POST /v1/chat/completions`` (both stream as SSE ending in
+``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET
 /health`` (200 only while every stage answers and the last step worked, else
-503) and ``GET /metrics`` (Prometheus text).
+503), ``GET /metrics`` (Prometheus text), and ``GET /openapi.json`` and ``/docs``
+(the request bodies' schemas included).
 
 What clients may rely on: every refused request gets a 4xx with an OpenAI-style
 body ``{"error": {"message", "type", "param", "code"}}`` and the server keeps
@@ -27,11 +29,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import raypp
 from raypp.engine.async_engine import AsyncLLMEngine
 from raypp.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from raypp.entrypoints.openai import protocol as p
+from raypp.entrypoints.openai import requests as rq
+from raypp.entrypoints.openai.chat import ChatServing
 from raypp.entrypoints.openai.errors import APIError, error_response
 from raypp.entrypoints.openai.serving import OpenAIServing
+from raypp.entrypoints.openai.tool_parsers import parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +47,29 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 @dataclass
 class ServerConfig:
     """What the server answers to: model names (the first is the default), the model
-    directory ``/v1/models`` reports, an optional API key and the body-size limit."""
+    directory ``/v1/models`` reports, an optional API key, the body-size limit, and the
+    tool-call format (a name of :data:`~raypp.entrypoints.openai.tool_parsers.PARSERS`;
+    ``None``: the model family's)."""
 
     served_model_names: list[str]
     model_path: str = ""
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tool_call_parser: str | None = None
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """The ASGI app; the caller owns ``engine`` (and shuts it down)."""
-    app = FastAPI(title="raypp", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="raypp", version=raypp.__version__, redoc_url=None)
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, metrics, config.served_model_names, config.model_path)
+    model_type = engine.engine.config.model.hf_config.get("model_type")
+    chat = ChatServing(serving, parser_for(config.tool_call_parser, model_type))
     app.state.raypp = serving
+    documented = {"/v1/completions": rq.CompletionRequest,
+                  "/v1/chat/completions": rq.ChatCompletionRequest,
+                  "/tokenize": rq.TokenizeRequest, "/detokenize": rq.DetokenizeRequest}
+    app.openapi = lambda: openapi_with_bodies(app, documented)  # type: ignore[method-assign]
     app.add_middleware(_BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(_CountStatus, metrics=metrics)
 
@@ -92,14 +107,29 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         _authorize(request, config.api_key)
-        req = _parse(p.CompletionRequest, await request.body())
+        req = _parse(rq.CompletionRequest, await request.body())
         return await serving.completions(req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         _authorize(request, config.api_key)
-        req = _parse(p.ChatCompletionRequest, await request.body())
-        return await serving.chat(req, request)
+        req = _parse(rq.ChatCompletionRequest, await request.body())
+        return await chat.chat(req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        _authorize(request, config.api_key)
+        return serving.tokenize(_parse(rq.TokenizeRequest, await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        _authorize(request, config.api_key)
+        return serving.detokenize(_parse(rq.DetokenizeRequest, await request.body()))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(p.VersionResponse(version=raypp.__version__).model_dump_json(),
+                        media_type="application/json")
 
     return app
 
@@ -124,6 +154,26 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         loc = [str(part) for part in first["loc"]]
         where = ".".join(loc) or "body"
         raise APIError(400, f"{where}: {first['msg']}", param=loc[0] if loc else None) from None
+
+
+def openapi_with_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    """FastAPI's schema, with each POST route's JSON body (parsed by hand, so FastAPI
+    cannot see it) described by its model."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        body = model.model_json_schema(by_alias=True,
+                                       ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 # -- ASGI middleware -------------------------------------------------------------------------
@@ -169,7 +219,8 @@ class _BodySizeLimit:
         await response(scope, receive, send)
 
 
-_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/version"}
 
 
 class _CountStatus:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from raypp.engine.async_engine import GenerationError
 from raypp.entrypoints.openai import protocol as p
-from raypp.errors import EngineDeadError
+from raypp.errors import EngineDeadError, ErrorKind
 
 
 class APIError(Exception):
@@ -37,7 +37,7 @@ def generation_failure(e: Exception) -> APIError:
 
     503 while the engine cannot serve (stopped, or its workers are being replaced:
     a retryable :class:`~raypp.errors.ErrorKind`), 400 for a request the engine
-    itself rejected (``ValueError``), 500 for anything else.
+    itself rejected (``ValueError``, or ``ErrorKind.INVALID_REQUEST``), 500 for anything else.
     """
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable")
@@ -45,6 +45,8 @@ def generation_failure(e: Exception) -> APIError:
         return APIError(400, str(e))
     if isinstance(e, GenerationError):
         kind = e.output.error_kind
+        if kind is ErrorKind.INVALID_REQUEST:
+            return APIError(400, str(e))
         if kind is not None and kind.retryable:
             return APIError(503, f"pipeline unavailable, retry: {e}", "service_unavailable")
     return APIError(500, f"generation failed: {e}", "internal_server_error")

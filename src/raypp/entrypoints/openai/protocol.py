@@ -1,12 +1,5 @@
-"""OpenAI API request and response shapes (the subset raypp serves).
-
-Requests are strict: unknown fields and wrong JSON types are rejected (the
-server answers 400 naming the field), never silently dropped or coerced.
-Besides OpenAI's fields, requests accept a few of raypp's sampling knobs
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``),
-which the ``openai`` client sends through ``extra_body``.
-"""
+"""OpenAI API response shapes, and :class:`BadRequest` (the request bodies are in
+:mod:`raypp.entrypoints.openai.requests`)."""
 
 from __future__ import annotations
 
@@ -14,10 +7,6 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from raypp.sampling_params import SamplingParams
-
-MAX_N = 128  # completions per prompt, as OpenAI caps it
 
 
 class BadRequest(ValueError):
@@ -28,132 +17,8 @@ class BadRequest(ValueError):
         self.param = param
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class _Open(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-# -- requests ------------------------------------------------------------------------------
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingRequest(_Strict):
-    """Fields shared by completions and chat completions."""
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
-    # raypp extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """``ValueError`` naming the field for an invalid value."""
-        if self.n > MAX_N:
-            raise BadRequest(f"n must be at most {MAX_N}, got {self.n}", "n")
-        given = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens,
-        }
-        return SamplingParams(
-            n=self.n,
-            max_tokens=max_tokens,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
-            **{k: v for k, v in given.items() if v is not None},
-        )
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt(s) as a list; ``ValueError`` if there are none."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise BadRequest("prompt must not be empty", "prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        return list(p)
-
-    def sampling_params(self) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs is not supported (prompt logprobs are not "
-                             "computed): drop one of them", "echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def as_dict(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    def sampling_params(self) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise BadRequest("give max_tokens or max_completion_tokens, not both",
-                             "max_completion_tokens")
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -225,9 +90,21 @@ class ChatLogprobs(_Open):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(_Open):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Open):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Open):
@@ -246,9 +123,25 @@ class ChatCompletionResponse(_Open):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Open):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Open):
+    """A piece of one tool call: the first names it (``id``, ``type``, ``function.name``);
+    ``function.arguments`` pieces concatenate."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Open):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Open):
@@ -277,3 +170,18 @@ class ErrorInfo(_Open):
 class ErrorResponse(_Open):
     error: ErrorInfo
 
+
+
+# -- /tokenize, /detokenize, /version ---------------------------------------------------------
+class TokenizeResponse(_Open):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Open):
+    prompt: str
+
+
+class VersionResponse(_Open):
+    version: str

@@ -17,6 +17,7 @@ from raypp.engine.async_engine import AsyncLLMEngine
 from raypp.engine.engine import LLMEngine
 from raypp.entrypoints.args import add_engine_args, add_model_args, engine_config, model_name
 from raypp.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
+from raypp.entrypoints.openai.tool_parsers import PARSERS
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="model name(s) clients use (default: the model as named)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="the tool-call format to parse (default: the model family's: "
+                             "hermes for Qwen, llama3_json for Llama, mistral for Mistral)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(parser)
@@ -49,7 +53,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(LLMEngine(engine_cfg), collect_stage_times=True)
     try:
         config = ServerConfig(names, engine_cfg.model.model, args.api_key or envs.RAYPP_API_KEY,
-                              args.max_request_bytes)
+                              args.max_request_bytes, args.tool_call_parser)
         uvicorn.run(build_app(engine, config), host=args.host, port=args.port,
                     log_level=args.log_level, access_log=args.access_log)
     finally:

@@ -1,0 +1,121 @@
+"""Speculative decoding on the driver: drafting tokens for the target to verify, and
+each sequence's draft length.
+
+A decode row with a draft feeds its last token and the ``d`` drafted ones in one step
+(positions ``p .. p + d``); the last stage samples the target at all ``d + 1`` of them,
+with the counter-based noise each output index has anyway, and accepts the drafted
+tokens while they equal the target's samples; the first sample that differs (or the
+one after the last draft) is the step's extra token (:mod:`raypp.worker.verifier`). A
+drafted token is thus accepted exactly when the target would have sampled it, so
+outputs are token for token those of decoding without speculation, greedy and
+seeded sampling alike (the standard rejection rule for a deterministic draft: accept
+``x`` with probability ``p(x)``, else sample the rest of ``p``). Rejected drafts' KV
+stays in slots that the sequence's next positions overwrite: the driver counts only
+the accepted positions as computed, so nothing rolls back but that count.
+
+Which rows draft, and how many tokens, is decided here for the round policy
+(:mod:`raypp.engine.rounds`): rows with penalties, a grammar or a logit bias never
+draft (a later position's penalties or token mask would depend on unaccepted tokens);
+a sequence's cap grows by one after a draft accepted whole and falls to one more than
+the accepted count otherwise; after ``MISSES_BEFORE_PAUSE`` verifications in a row
+that accept nothing, it drafts nothing for ``PAUSE_SCHEDULINGS`` schedulings, then
+tries again.
+
+Proposers: :class:`NgramProposer` (prompt lookup) runs here. A draft model would run
+on the first stage's worker (its own KV blocks beside the target's, indexed by the
+same block tables); heads that draft from the target's hidden states (EAGLE, MTP) would
+run on the last stage, after sampling, and return their draft with the step's tokens
+for the next step to verify. Both fit the same step shape: rows ending in drafted
+tokens, ``StepInput.draft_lens``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raypp.engine.sequence import DraftStats, Sequence
+from raypp.speculative_config import SpeculativeConfig
+
+MISSES_BEFORE_PAUSE = 3
+PAUSE_SCHEDULINGS = 8
+
+
+def speculative_metrics(verifications: int, drafted: int, accepted: int) -> dict[str, float]:
+    """The counters, the acceptance rate (accepted / drafted tokens) and the mean accepted
+    length (tokens a verification step emits: its accepted drafts and one more, the
+    definition vLLM reports), under the names ``RequestOutput.metrics`` and the
+    benchmarks use."""
+    return {"spec_verifications": verifications, "spec_drafted_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_mean_accepted_length": round(1 + accepted / verifications, 4)
+            if verifications else 0.0}
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last ``n`` tokens, for ``n`` from ``max_n`` down to ``min_n``."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing ``tokens`` (empty if no n-gram recurs)."""
+        length = len(tokens)
+        if k <= 0 or length < self.min_n + 1:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # windows[i] = tokens[i:i + n] for every i whose continuation tokens[i + n]
+            # exists, the final n tokens themselves excluded
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
+            hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+
+class Speculator:
+    """Drafts for one engine's sequences and adapts their draft lengths."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.adaptive = config.adaptive
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.verifications = 0  # rows verified with a draft, since start-up
+        self.drafted = 0  # tokens drafted and verified
+        self.accepted = 0  # of which accepted
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        """Tokens to verify after ``seq``'s last one, at most ``limit`` (what its length
+        limits and the step's token budget leave)."""
+        if seq.params.uses_penalties or seq.params.shapes_logits:
+            return []  # a later position's penalties or mask would depend on the draft
+        stats = seq.draft_stats
+        if stats is None:
+            stats = seq.draft_stats = DraftStats(cap=self.k)
+        if stats.pause > 0:
+            stats.pause -= 1
+            return []
+        n = min(stats.cap, limit)
+        if n <= 0:
+            return []
+        return self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, n)
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verification of ``seq`` accepted ``accepted`` of its ``drafted`` tokens."""
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        stats = seq.draft_stats
+        assert stats is not None
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.verifications += 1
+        if not self.adaptive:
+            return
+        stats.cap = min(self.k, stats.cap + 1) if accepted == drafted else accepted + 1
+        stats.misses = stats.misses + 1 if accepted == 0 else 0
+        if stats.misses >= MISSES_BEFORE_PAUSE:
+            stats.misses, stats.pause = 0, PAUSE_SCHEDULINGS

@@ -1,0 +1,70 @@
+"""SpeculativeConfig: whether and how the engine drafts tokens for the target to verify."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in the shape vLLM users pass it
+    (``speculative_config={"method": "ngram", "num_speculative_tokens": 4}``).
+
+    ``method``: ``"ngram"`` (prompt lookup: the driver proposes the tokens that followed
+    the latest earlier occurrence of the sequence's last ``prompt_lookup_max`` ..
+    ``prompt_lookup_min`` tokens) or ``"draft_model"`` (a small model with the target's
+    vocabulary, ``model``, proposes greedily; inferred when only ``model`` is given).
+    ``num_speculative_tokens``: the most tokens drafted per sequence and step; with
+    ``adaptive`` (default) each sequence's draft length follows its recent acceptance
+    (:mod:`raypp.engine.speculative`). Invalid values raise ``ValueError`` naming the key.
+    """
+
+    num_speculative_tokens: int
+    method: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model else "ngram"
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not (isinstance(k, int) and 1 <= k <= 32):
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, 32], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError("speculative_config needs integers 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {lo!r} and {hi!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft "
+                             "model's path")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be True or False, "
+                             f"got {self.adaptive!r}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """``value`` as a config: a dict's keys are checked (an unknown one is a
+        ``ValueError`` naming it and the known ones)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        return cls(**value)

@@ -1,0 +1,255 @@
+"""Speculative decoding: the n-gram proposer, draft-length adaptation, the last stage's
+acceptance rule, and engines with speculation against transformers and against
+themselves without it (greedy and seeded sampling), across layouts and faults."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hf_reference import corpus_prompts, hf_greedy
+
+from raypp import LLM, SamplingParams
+from raypp.config import EngineConfig
+from raypp.engine.sequence import Sequence
+from raypp.engine.speculative import MISSES_BEFORE_PAUSE, PAUSE_SCHEDULINGS, NgramProposer, Speculator
+from raypp.errors import RequestFailedError
+from raypp.speculative_config import SpeculativeConfig
+from raypp.step import ResolvedStep, SamplingBatch, StepInput, StepMode
+from raypp.worker import verifier
+
+# drafts from 1-gram matches: a tiny random model repeats single tokens far more often
+# than longer runs, so its steps verify drafts, some accepted, most not
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+# -- the proposer and the draft length ------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer(min_n=2, max_n=3)
+    assert p.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert p.propose([1, 2, 9, 1, 2, 7, 1, 2], 2) == [7, 1]  # the latest occurrence
+    # the 3-gram [1, 2, 3] recurs (followed by 8); the 2-gram [2, 3] later (followed by 9)
+    assert p.propose([5, 1, 2, 3, 8, 6, 2, 3, 9, 1, 2, 3], 2) == [8, 6]
+    assert p.propose([1, 2, 3, 4, 5], 3) == []  # nothing recurs
+    assert p.propose([4, 4, 4], 5) == [4]  # what exists, however many were asked
+    assert p.propose([1, 2, 1, 2], 0) == [] and p.propose([1], 3) == []
+    assert NgramProposer(1, 1).propose([7, 5, 6, 5], 2) == [6, 5]
+
+
+def _seq(params: SamplingParams | None = None) -> Sequence:
+    return Sequence(0, "0", 0, [1, 2, 3, 1, 2, 3, 1, 2], params or SamplingParams(), seed=0)
+
+
+def test_draft_length_follows_acceptance_and_pauses_after_misses():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    seq = _seq()
+    assert spec.draft(seq, limit=2) == [3, 1]  # the step's budget caps it
+    assert spec.draft(seq, limit=9) == [3, 1, 2]  # as many as follow the match
+    spec.observe(seq, drafted=4, accepted=1)
+    assert seq.draft_stats.cap == 2 and len(spec.draft(seq, 9)) == 2
+    spec.observe(seq, drafted=2, accepted=2)
+    assert seq.draft_stats.cap == 3
+    for _ in range(MISSES_BEFORE_PAUSE):
+        spec.observe(seq, drafted=1, accepted=0)
+    assert [spec.draft(seq, 9) for _ in range(PAUSE_SCHEDULINGS)] == [[]] * PAUSE_SCHEDULINGS
+    assert spec.draft(seq, 9) == [3]  # tries again, one token
+    assert (spec.verifications, spec.drafted, spec.accepted) == (5, 9, 3)
+    assert spec.draft(_seq(SamplingParams(repetition_penalty=1.2)), 9) == []
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                         adaptive=False))
+    seq = _seq()
+    fixed.draft(seq, 2)
+    fixed.observe(seq, drafted=2, accepted=0)
+    assert fixed.draft(seq, 9) == [3, 1, 2]  # the cap stays at 4
+
+
+def test_speculative_config_errors_name_the_problem(tiny_llama):
+    model = str(tiny_llama)
+    cases = [({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
+             ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+             ({"num_speculative_tokens": 2, "lookup": 3}, "unknown speculative_config key"),
+             ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of"),
+             ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+              "prompt_lookup_min <= prompt_lookup_max"),
+             ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs 'model'"),
+             ({"num_speculative_tokens": 2, "model": "small"}, "'draft_model' is not available")]
+    for value, message in cases:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_kwargs(model, speculative_config=value)
+    config = EngineConfig.from_kwargs(model, speculative_config={"num_speculative_tokens": 2})
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2, method="ngram")
+
+
+# -- the acceptance rule ----------------------------------------------------------------------
+def _verify_step(draft: list[int], seed: int, temperature: float = 1.0) -> ResolvedStep:
+    """One row feeding token 0 and ``draft``, sampled with ``seed``."""
+    n = len(draft) + 1
+    sampling = SamplingBatch([temperature], [1.0], [0], [0.0], [seed], [0], [-1], [0.0], [0.0],
+                             [1.0])
+    step = StepInput(0, [0, *draft], [0, n], [n], [0], [n - 1], sampling,
+                     mode=StepMode.VERIFY, draft_lens=[len(draft)])
+    return ResolvedStep.of(step, [[0]], 16)
+
+
+def test_the_agreeing_prefix_is_accepted_plus_the_next_sample():
+    logits = torch.full((4, 8), -30.0)
+    logits[0, 5] = logits[1, 6] = logits[2, 2] = logits[3, 7] = 0.0  # greedy: 5, 6, 2, 7
+    step = _verify_step([5, 6, 1], seed=0, temperature=0.0)
+    assert verifier.verified_rows(step) == [0, 1, 2, 3]
+    assert verifier.drafts_of(step) == [[5, 6, 1]]
+    tokens, logprobs = verifier.verify(logits, step)
+    assert tokens == [[5, 6, 2]] and logprobs == [None]  # the third draft is rejected
+    assert verifier.verify(logits, _verify_step([5, 6, 2], 0, 0.0))[0] == [[5, 6, 2, 7]]
+    assert verifier.verify(logits, _verify_step([4, 6, 2], 0, 0.0))[0] == [[5]]
+    batch = verifier.expand(step.sampling, [2])
+    assert batch.output_index == [0, 1, 2] and batch.seeds == [0, 0, 0]
+
+
+def _first_tokens(rule, draft: list[int], probs: torch.Tensor, trials: int) -> collections.Counter:
+    """The first token each of ``trials`` seeded verifications emits under ``rule``."""
+    logits = probs.log().expand(len(draft) + 1, -1).clone()
+    counts: collections.Counter = collections.Counter()
+    original = verifier.accepted_count
+    verifier.accepted_count = rule
+    try:
+        for seed in range(trials):
+            counts[verifier.verify(logits, _verify_step(draft, seed))[0][0][0]] += 1
+    finally:
+        verifier.accepted_count = original
+    return counts
+
+
+def _chi_square(counts: collections.Counter, probs: torch.Tensor, trials: int) -> float:
+    return sum((counts[t] - trials * p) ** 2 / (trials * p) for t, p in enumerate(probs.tolist()))
+
+
+def test_emitted_tokens_follow_the_target_distribution_and_a_wrong_rule_is_caught():
+    """Seeded sampling with a draft: the first emitted token is distributed as the
+    target's p (chi-square over 3000 fixed seeds, 7 degrees of freedom, under 24.3: the
+    0.1 % critical value); a rule that accepts the draft whenever it is likely enough
+    (p(x) > 0.2, a plausible mistake) fails the same test by far."""
+    probs = torch.tensor([0.30, 0.25, 0.15, 0.10, 0.08, 0.06, 0.04, 0.02])
+    trials = 3000
+    exact = _first_tokens(verifier.accepted_count, [1, 0], probs, trials)
+    assert _chi_square(exact, probs, trials) < 24.3
+
+    def too_eager(samples: list[int], draft: list[int]) -> int:
+        return len(draft) if probs[draft[0]] > 0.2 else verifier.accepted_count(samples, draft)
+
+    wrong = _first_tokens(too_eager, [1, 0], probs, trials)
+    assert _chi_square(wrong, probs, trials) > 24.3 * 10
+
+
+# -- engines -------------------------------------------------------------------------------
+def _prompts(llm: LLM) -> list[list[int]]:
+    """Prompts of one repeated token drive the tiny random model into loops, which the
+    n-gram proposer predicts (drafts accepted); a text prompt mostly does not."""
+    return [[3] * 8, [100] * 12, [11] * 20, *corpus_prompts(llm.get_tokenizer(), [9])]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
+    return [o for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)]
+
+
+@pytest.mark.parametrize("layout", [
+    dict(pipeline_parallel_size=1, k=1),
+    dict(pipeline_parallel_size=2, k=3),
+    dict(pipeline_parallel_size=3, k=5, control_plane="direct"),
+    dict(tensor_parallel_size=2, k=3),
+], ids=["pp1-k1", "pp2-k3", "pp3-direct-k5", "tp2-k3"])
+def test_greedy_with_speculation_equals_transformers(ray_cluster, tiny_llama, layout):
+    layout = dict(layout)
+    spec = {**NGRAM, "num_speculative_tokens": layout.pop("k")}
+    with LLM(str(tiny_llama), max_num_seqs=4, speculative_config=spec, **layout) as llm:
+        prompts = _prompts(llm)
+        outs = _generate(llm, prompts, GREEDY)
+        stats = llm.engine.stats
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 24)
+    assert stats.spec_drafted_tokens > stats.spec_accepted_tokens > 0
+    metrics = [o.metrics for o in outs]
+    assert sum(m["spec_accepted_tokens"] for m in metrics) == stats.spec_accepted_tokens
+    assert all(1 <= m["spec_mean_accepted_length"] <= 1 + spec["num_speculative_tokens"]
+               for m in metrics if m["spec_verifications"])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluster, tiny_llama, pp):
+    """Seeded sampling with logprobs, n = 2, stop strings, stop ids and max_tokens: token
+    for token, logprob for logprob what the same engine samples without speculation."""
+    outs = {}
+    for spec in (None, NGRAM):
+        with LLM(str(tiny_llama), max_num_seqs=6, pipeline_parallel_size=pp, seed=5,
+                 speculative_config=spec) as llm:
+            prompts = _prompts(llm)
+            tok = llm.get_tokenizer()
+            stop_text = tok.decode(hf_greedy(tiny_llama, prompts[3:], 6)[0][3:5])
+            params = [SamplingParams(temperature=0.9, top_k=40, seed=11, n=2, max_tokens=20,
+                                     logprobs=2, ignore_eos=True),
+                      SamplingParams(temperature=0.7, seed=3, max_tokens=7, ignore_eos=True),
+                      SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[199]),
+                      SamplingParams(temperature=0, max_tokens=24, stop=[stop_text])]
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+            outs[spec is None] = [[(c.token_ids, c.text, c.finish_reason,
+                                    c.logprobs and [sorted(lp) for lp in c.logprobs])
+                                   for c in o.outputs] for o in got]
+            if spec:
+                assert llm.engine.stats.spec_drafted_tokens > 0
+    assert outs[False] == outs[True]
+
+
+def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llama):
+    """Few cache blocks: drafts never preempt anyone, and preempted sequences come back
+    with the same outputs."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(str(tiny_llama), max_model_len=64, block_size=8, num_blocks_override=12,
+             max_num_seqs=8, speculative_config=NGRAM) as llm:
+        prompts = corpus_prompts(llm.get_tokenizer(), [8, 9, 11, 13, 15, 17])
+        outs = [o.outputs[0].token_ids for o in _generate(llm, prompts, params)]
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_drafted_tokens > 0
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert outs == hf_greedy(tiny_llama, prompts, 30)
+
+
+def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray_cluster,
+                                                                             tiny_llama):
+    """Step 1 is the first decode step, and every prompt ends in a token it already
+    holds, so it verifies drafts: a fault in the last stage there fails that step's
+    requests; the requests after it, drafted and verified again, equal transformers."""
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=3, max_inflight=1,
+             speculative_config=NGRAM, fault_inject="raise:1:1") as llm:
+        text = corpus_prompts(llm.get_tokenizer(), [6, 9])
+        # each ends in a token it holds already: the first decode step drafts
+        prompts = [[3] * 8, [100] * 12, text[0] + text[0][:2], [3] * 9, [100] * 13,
+                   text[1] + text[1][:2]]
+        with pytest.raises(RequestFailedError) as err:
+            _generate(llm, prompts, GREEDY)
+        failure = err.value
+        assert sorted(failure.errors) == [0, 1, 2]
+        assert all("injected fault at step 1" in e for e in failure.errors.values())
+        want = hf_greedy(tiny_llama, prompts, 24)
+        assert [o.outputs[0].token_ids for o in failure.outputs[3:]] == want[3:]
+        assert llm.engine.stats.spec_accepted_tokens > 0
+        blocks = llm.engine.block_manager
+        assert blocks.num_free == blocks.num_blocks and llm.is_healthy()
+
+
+def test_constrained_and_biased_rows_ride_along_in_verify_steps(ray_cluster, tiny_llama):
+    """A regex-constrained request and a logit-biased one never draft, but share VERIFY
+    steps with rows that do: every output equals the same engine's without speculation."""
+    params = [GREEDY, GREEDY,
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "[a-z ]{4,30}"}),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={7: 8.0})]
+    outs = {}
+    for spec in (None, NGRAM):
+        with LLM(str(tiny_llama), max_num_seqs=4, speculative_config=spec) as llm:
+            prompts = _prompts(llm)
+            outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            if spec:
+                assert llm.engine.stats.spec_accepted_tokens > 0
+    assert outs[True] == outs[False]
