@@ -29,7 +29,7 @@ from raypp import envs
 from raypp.errors import first_line
 
 _DESCRIPTION = ("Pipeline-parallel LLM inference on Ray. A MODEL is a Hugging Face–format "
-                "directory, a .gguf file, or 'demo'.")
+                "directory, a .gguf file, 'demo', or a Hugging Face Hub id (org/name).")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -20,8 +20,10 @@ Prompt = str | list[int] | dict
 class LLM:
     """A pipeline-parallel model on Ray, for offline batched generation.
 
-    ``model`` is a model name: a Hugging Face–format directory, a ``.gguf`` file, or
-    ``"demo"`` (SmolLM2-135M-Instruct, fetched once; :mod:`raypp.model_source`).
+    ``model`` is a model name: a Hugging Face–format directory, a ``.gguf`` file,
+    ``"demo"`` (SmolLM2-135M-Instruct, fetched once), or a Hugging Face Hub id
+    (``"org/name"``, ``"org/name/FILE.gguf"``; ``revision=`` picks a branch, tag or commit),
+    fetched into the Hub cache (:mod:`raypp.model_source`).
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
     Extra keyword arguments are fields of the engine's configs, mapped by
     :meth:`raypp.config.EngineConfig.from_kwargs` as the command line's options and

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from raypp.model.gguf_cache import GGUFMetadata
+    from raypp.model_source import HubModel
 
 DEFAULT_CACHE_DIR = "~/.cache/raypp"
 
@@ -31,8 +32,9 @@ class ModelConfig:
     """A checkpoint and how to run it: a Hugging Face–format directory (``config.json``,
     safetensors, tokenizer), or a GGUF file (or a directory holding one ``.gguf`` and no
     ``config.json``), whose config and tokenizer transformers reads from its metadata.
-    ``model`` is a model name (:func:`raypp.model_source.resolve_model`: a path, or
-    ``"demo"``).
+    ``model`` is a model name (:func:`raypp.model_source.resolve_model`: a path,
+    ``"demo"``, or a Hugging Face Hub id, fetched at ``revision``: a branch, tag or commit,
+    default ``main``; ``revision`` with any other name is a ``ValueError``).
 
     ``cache_dir`` is where raypp keeps what it fetches and derives (the demo model, a GGUF
     file's config, tokenizer and tensor table: :mod:`raypp.model.gguf_cache`);
@@ -46,14 +48,18 @@ class ModelConfig:
     (for a GGUF file: one beside it), ``"none"`` ignores it, a directory reads its
     ``generation_config.json``.
 
-    After construction ``model`` is the resolved directory, or the resolved ``.gguf``
-    file, ``tokenizer`` where transformers loads the tokenizer from, and ``architecture``
-    the supported architecture the config names (a config without ``architectures``
-    falls back to its ``model_type``, as transformers does). Raises
-    ``FileNotFoundError`` (:class:`~raypp.model_source.ModelNotFoundError`) naming the
-    path when it, or its ``config.json``, is missing or when it is a file other than a
-    GGUF file; ``ValueError`` for an unsupported architecture (naming the supported ones),
-    GGUF tensor type (naming it), dtype, ``max_model_len`` or ``generation_config``.
+    After construction ``model`` is the resolved directory, or the ``.gguf`` file (its
+    directory resolved, its name kept: in a Hub snapshot it is a link to a blob),
+    ``hub`` where a Hub id came from (:class:`~raypp.model_source.HubModel`: repo, the
+    commit resolved, GGUF file; ``None`` for a local path), ``tokenizer`` where
+    transformers loads the tokenizer from, and ``architecture`` the supported
+    architecture the config names (a config without ``architectures`` falls back to its
+    ``model_type``, as transformers does). Raises ``FileNotFoundError``
+    (:class:`~raypp.model_source.ModelNotFoundError`) naming the path when it, or its
+    ``config.json``, is missing or when it is a file other than a GGUF file, and naming
+    what was tried for a Hub id that cannot be had; ``ValueError`` for an unsupported
+    architecture (naming the supported ones), GGUF tensor type (naming it), dtype,
+    ``max_model_len``, ``generation_config`` or ``revision``.
     """
 
     model: str
@@ -62,6 +68,8 @@ class ModelConfig:
     seed: int = 0
     generation_config: str = "auto"
     cache_dir: str | None = None
+    revision: str | None = None
+    hub: HubModel | None = field(init=False, repr=False, default=None)
     hf_config: dict[str, Any] = field(init=False, repr=False)
     architecture: str = field(init=False)
     tokenizer: str = field(init=False, repr=False)
@@ -75,10 +83,11 @@ class ModelConfig:
         from raypp.model_source import KINDS, ModelNotFoundError, resolve_model
 
         self.cache_dir = str(Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser())
-        path = resolve_model(self.model, self.cache_dir)
+        source = resolve_model(self.model, self.cache_dir, revision=self.revision)
+        path, self.hub = source.path, source.hub
         gguf_file = gguf.find_gguf(path)
         if gguf_file is not None:
-            self.model = str(gguf_file.resolve())
+            self.model = str(gguf_file.parent.resolve() / gguf_file.name)
             self.gguf = gguf.metadata(self.model, self.cache_dir)
             self.hf_config = self.gguf.config
             self.tokenizer = self.gguf.tokenizer_dir or self.model

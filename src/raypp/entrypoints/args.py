@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 
 MODEL_HELP = ("a Hugging Face–format model directory, a .gguf file (or a directory holding "
-              "one), or 'demo' (SmolLM2-135M-Instruct, fetched once into the cache)")
+              "one), 'demo' (SmolLM2-135M-Instruct, fetched once into the cache), or a Hugging "
+              "Face Hub id (org/name, or org/name/FILE.gguf), fetched into the Hub cache")
 
 
 class UsageError(ValueError):
@@ -32,7 +33,8 @@ class UsageError(ValueError):
 
 
 def add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """``MODEL`` (positional), ``--model MODEL`` and ``--demo``: one name, given either way."""
+    """``MODEL`` (positional), ``--model MODEL`` and ``--demo``: one name, given either way;
+    ``--revision`` for a Hub id."""
     what = "" if required else " (default: demo)"
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help=MODEL_HELP + what)
@@ -40,6 +42,8 @@ def add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> No
                         help="the same as the positional MODEL")
     parser.add_argument("--demo", action="store_true",
                         help="the same as the model name 'demo'")
+    parser.add_argument("--revision", default=None,
+                        help="a Hub id's branch, tag or commit (default: main)")
 
 
 def model_name(args: argparse.Namespace, default: str | None = None) -> str:
@@ -189,6 +193,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "workers_per_gpu": args.workers_per_gpu,
         "cpu_threads": args.cpu_threads,
         "speculative_config": args.speculative_config,
+        "revision": getattr(args, "revision", None),  # add_model_args's
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

@@ -1,7 +1,8 @@
 """``raypp fetch MODEL``: make a model ready to start fast, and print its local path.
 
 What callers may rely on: the model is resolved as every command resolves it
-(:mod:`raypp.model_source`: ``demo`` is fetched into the cache if missing) and checked
+(:mod:`raypp.model_source`: ``demo`` is fetched into the cache if missing, a Hub id into
+the Hugging Face cache) and checked
 as an engine would check it (:class:`~raypp.model_config.ModelConfig`: a supported
 architecture; a GGUF file's config, tokenizer and tensor table are derived and cached,
 :mod:`raypp.model.gguf_cache`); then its resolved path is the one line printed. Nothing
@@ -29,5 +30,5 @@ def run_fetch(args: argparse.Namespace) -> int:
     from raypp.config import cache_dir
     from raypp.model_config import ModelConfig
 
-    print(ModelConfig(model_name(args), cache_dir=str(cache_dir())).model)
+    print(ModelConfig(model_name(args), cache_dir=str(cache_dir()), revision=args.revision).model)
     return 0

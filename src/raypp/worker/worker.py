@@ -12,10 +12,12 @@ control plane drives it. Everything the worker does is set by the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +38,10 @@ from raypp.worker.faults import FaultInjector
 from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
 from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
+
+if TYPE_CHECKING:
+    from raypp.model.gguf_cache import GGUFMetadata
+    from raypp.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30
@@ -103,7 +109,7 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device))
-        report = load_stage_weights(self.model, mc.model, mc.gguf)
+        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc))
         self.model.eval()
         return {
             "pp_rank": self.pp_rank,
@@ -289,3 +295,16 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray
         return "127.0.0.1"
+
+
+def _checkpoint_on_this_node(mc: ModelConfig) -> tuple[str, GGUFMetadata | None]:
+    """The checkpoint path this stage loads and its GGUF tensor table: the driver's, or on a
+    node without the driver's path, the Hub model fetched into this node's own cache at the
+    driver's commit (:func:`raypp.model_source.stage_checkpoint`; a local path missing
+    here is a ``ModelNotFoundError`` saying what to do)."""
+    from raypp.model_source import stage_checkpoint
+
+    path = stage_checkpoint(mc.model, mc.hub)
+    if path == mc.model or mc.gguf is None:
+        return path, mc.gguf
+    return path, dataclasses.replace(mc.gguf, path=str(Path(path).resolve()))
