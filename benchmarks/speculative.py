@@ -45,9 +45,8 @@ def _run(llm: Any, max_tokens: int) -> tuple[float, Any]:
 
 def measure(pp: int, ks: list[int], reps: int, max_tokens: int) -> dict[str, Any]:
     from raypp import LLM, SamplingParams
-    from raypp.demo import demo_model_path
 
-    path = str(demo_model_path())
+    path = "demo"  # SmolLM2-135M-Instruct, fetched into the cache on first use
     configs = [None] + [{"method": "ngram", "num_speculative_tokens": k} for k in ks]
     engines = [LLM(path, pipeline_parallel_size=pp, speculative_config=c) for c in configs]
     rows: list[dict[str, Any]] = [{"speculative_config": c, "tok_s": [], "text": None,

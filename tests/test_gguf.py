@@ -22,9 +22,10 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.",
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     """The demo model's GGUF file (``make`` fetches it at setup; else it is fetched here)."""
+    from raypp.config import cache_dir
     from raypp.demo import demo_model_path
 
-    return demo_model_path()
+    return demo_model_path(cache_dir())
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -67,11 +68,12 @@ def test_smollm2_gguf_matches_transformers(ray_cluster, smollm2, pp):
 
 
 def test_make_demo_answers_paris(ray_cluster, smollm2, capsys):
-    """``make demo`` (``raypp generate --demo -pp 2``): the demo questions go through the
-    chat template and the first answer names Paris."""
+    """``make demo`` (``raypp generate demo -pp 2``): the demo questions go through the
+    chat template (the model has one) and the first answer, with the demo's own sampling
+    defaults, names Paris."""
     from raypp.cli import main
 
-    assert main(["generate", "--demo", "--pipeline-parallel-size", "2"]) == 0
+    assert main(["generate", "demo", "--pipeline-parallel-size", "2"]) == 0
     printed = capsys.readouterr().out
     question, answer = printed.split("\n")[:2]
     assert question == "--- user: What is the capital of France?"
@@ -117,3 +119,75 @@ def test_directory_with_several_gguf_files_is_refused(tmp_path):
         _write_gguf(tmp_path / name, "llama", {"x.weight": (np.ones(4, np.float32), None)})
     with pytest.raises(ValueError, match="several GGUF files"):
         LLM(str(tmp_path))
+
+
+# -- the GGUF metadata cache ------------------------------------------------------------------
+def test_gguf_metadata_is_derived_once_then_read_from_the_cache(smollm2, tmp_path, monkeypatch):
+    """The second start reads config, tokenizer and tensor table from the cache (transformers
+    is not asked again); all equal what transformers and GGUFReader read from the file."""
+    import gguf as gguf_package
+
+    from raypp.engine.tokenizer import load_tokenizer, render_chat
+    from raypp.model import gguf, gguf_cache
+    from raypp.model_config import ModelConfig
+
+    first = ModelConfig(str(smollm2), cache_dir=str(tmp_path))
+    entry = gguf_cache.entry_dir(str(smollm2), tmp_path)
+    assert (entry / "metadata.json").is_file() and first.tokenizer == str(entry / "tokenizer")
+
+    def derive_again(*args):
+        raise AssertionError("derived again")
+
+    monkeypatch.setattr(gguf, "_derive", derive_again)
+    second = ModelConfig(str(smollm2), cache_dir=str(tmp_path))
+    assert second.hf_config == first.hf_config and second.architecture == "LlamaForCausalLM"
+    assert second.gguf.tensors == first.gguf.tensors and second.gguf.hf_names
+
+    cached, parsed = load_tokenizer(second.tokenizer), load_tokenizer(str(smollm2))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert render_chat(cached, chat) == render_chat(parsed, chat)
+    for text in [render_chat(parsed, chat), "The list type", " héllo\n\n\tx <|im_end|>"]:
+        assert cached.encode(text) == parsed.encode(text)
+    assert cached.eos_token == parsed.eos_token
+
+    reader = gguf_package.GGUFReader(str(smollm2))
+    file = np.memmap(str(smollm2), dtype=np.uint8, mode="r")
+    assert [t.name for t in second.gguf.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(second.gguf.tensors, reader.tensors):
+        assert ours.tensor_type == int(theirs.tensor_type)
+        assert np.array_equal(ours.data(file), theirs.data)
+
+
+def test_a_changed_gguf_file_is_derived_again(smollm2, tmp_path):
+    import os
+
+    from raypp.model import gguf_cache
+
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(smollm2.read_bytes())
+    before = gguf_cache.entry_dir(str(copy), tmp_path)
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    assert gguf_cache.entry_dir(str(copy), tmp_path) != before
+    assert gguf_cache.load(str(copy), tmp_path) is None
+
+
+def test_an_unwritable_cache_costs_only_speed(smollm2, tmp_path):
+    from raypp.model_config import ModelConfig
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    config = ModelConfig(str(smollm2), cache_dir=str(not_a_dir))
+    assert config.architecture == "LlamaForCausalLM" and config.tokenizer == str(smollm2)
+
+
+def test_the_readmes_python_example_runs_as_pasted(ray_cluster, smollm2, capsys):
+    """The README's first Python block, as it is: the demo by name, pp = 2, its output
+    types as the comments say."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(from raypp import LLM.*?)```", readme, re.S)[1]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert isinstance(scope["outs"], list) and isinstance(scope["chats"], list)
+    assert "Paris" in scope["chats"][0].outputs[0].text
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) >= 2 and "Paris" in printed[-1]

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from raypp import LLM, SamplingParams
+from raypp.errors import ContextLengthError
 
 
 @pytest.mark.parametrize(
@@ -89,9 +90,17 @@ def test_too_long_prompt_is_refused_and_engine_keeps_serving(llm):
     assert after == before
 
 
-def test_output_is_capped_by_max_model_len(llm):
+def test_max_tokens_beyond_the_context_is_refused_and_none_runs_to_its_end(llm):
+    """A prompt plus max_tokens over max_model_len is an error naming the numbers (nothing
+    queued), not a silent early stop; max_tokens=None runs to the context's end."""
     prompt = {"prompt_token_ids": [7] * 60}
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+    with pytest.raises(ContextLengthError, match="max_tokens=50 is more than the context leaves: "
+                       "the prompt has 60 tokens and max_model_len is 64, so at most 4") as err:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                     use_tqdm=False)
+    assert err.value.field == "max_tokens" and isinstance(err.value, ValueError)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert out.outputs[0].finish_reason == "length"

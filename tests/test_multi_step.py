@@ -204,7 +204,7 @@ def test_requests_arriving_or_aborted_during_rounds_ahead(request, steps, prompt
 def test_model_length_and_tight_cache_limits(ray_cluster, tiny_llama, prompts):
     """Horizon cut by ``max_model_len`` and by too few free blocks; with preemption."""
     long = [p for p in prompts if len(p) >= 17]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # to the context's end
     outs = {}
     for steps in (1, 6):
         with LLM(str(tiny_llama), num_decode_steps=steps, max_model_len=48, max_num_seqs=8,

@@ -22,6 +22,7 @@ from raypp import LLM, EngineDeadError, ErrorKind, RequestOutput, SamplingParams
 from raypp.bench.serve import ServeBenchConfig, serve_bench
 from raypp.cli import build_parser
 from raypp.engine.async_engine import AsyncLLMEngine, GenerationError
+from raypp.entrypoints.args import UsageError
 from raypp.entrypoints.openai.app import ServerConfig, build_app
 from raypp.entrypoints.openai.errors import generation_failure
 from raypp.entrypoints.openai.server import run_server
@@ -420,7 +421,8 @@ def test_serve_command_line():
     assert (args.model, args.pipeline_parallel_size, args.port, args.host) == ("/m", 2, 9,
                                                                                "127.0.0.1")
     assert args.served_model_name == ["a", "b"] and args.func is run_server
-    assert run_server(build_parser().parse_args(["serve"])) == 2  # no MODEL, no --demo
+    with pytest.raises(UsageError, match="give a model"):  # the CLI: one line, exit 2
+        run_server(build_parser().parse_args(["serve"]))
 
 
 @pytest.mark.parametrize("kind, message, status", [

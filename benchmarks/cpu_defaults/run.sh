@@ -5,7 +5,7 @@ set -euo pipefail
 out=${1:?output directory}
 mkdir -p "$out"
 export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
-smol=$(python -m raypp.demo)           # SmolLM2-135M-Instruct GGUF, cached
+smol=$(raypp fetch demo)               # SmolLM2-135M-Instruct GGUF, cached
 raypp bench make-model --out /tmp/raypp-cpu-llama512 >/dev/null   # 25 M parameters, fp32
 for i in 1 2 3; do  # 1-stage batch-1 decode against transformers' generate
   raypp bench throughput --model "$smol" --num-prompts 1 --input-len 32 --output-len 128 \

@@ -25,7 +25,8 @@ from typing import Any
 
 from benchmarks.pipelined_prefill import _ttft
 
-CONFIGS = [("pp2-off", 2, {"pipelined_prefill": False}), ("pp2-on", 2, {"pipelined_prefill": True}), ("pp1", 1, {})]
+CONFIGS = [("pp2-off", 2, {"pipelined_prefill": False}), ("pp2-on", 2, {"pipelined_prefill": True}),
+           ("pp1", 1, {})]
 
 
 def main(argv: list[str] | None = None) -> None:

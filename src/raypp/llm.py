@@ -20,6 +20,10 @@ Prompt = str | list[int] | dict
 class LLM:
     """A pipeline-parallel model on Ray, for offline batched generation.
 
+    ``model`` is a model name: a Hugging Face–format directory, a ``.gguf`` file,
+    ``"demo"`` (SmolLM2-135M-Instruct, fetched once), or a Hugging Face Hub id
+    (``"org/name"``, ``"org/name/FILE.gguf"``; ``revision=`` picks a branch, tag or commit),
+    fetched into the Hub cache (:mod:`raypp.model_source`).
     Starts a local Ray cluster (or joins ``ray_address`` / ``RAY_ADDRESS``).
     Extra keyword arguments are fields of the engine's configs, mapped by
     :meth:`raypp.config.EngineConfig.from_kwargs` as the command line's options and
@@ -54,6 +58,18 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             max_model_len=max_model_len, ray_address=ray_address, device=device,
             control_plane=control_plane, max_restarts=max_restarts, **kwargs)
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` on an engine config built beforehand (e.g. by
+        :meth:`EngineConfig.from_kwargs <raypp.config.EngineConfig.from_kwargs>`, to check
+        requests before anything starts)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.engine.emit_unfinished = False  # generate() only needs final outputs
         self._request_ids = itertools.count()
@@ -67,16 +83,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
+        ``sampling_params`` left ``None`` is :meth:`get_default_sampling_params` (the
+        model's generation-config defaults); a ``SamplingParams`` given is used as it is.
         All prompts and parameters are validated before any runs, grammars
         (``SamplingParams.structured_outputs``) compiled: an invalid one raises
-        ``ValueError`` and nothing is queued.
+        ``ValueError`` and nothing is queued; a prompt whose ``max_tokens`` exceeds what
+        ``max_model_len`` leaves raises :class:`~raypp.errors.ContextLengthError` (a
+        ``ValueError``) naming both numbers. ``max_tokens=None`` generates until a stop
+        or the context's end.
         """
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         engine = self.engine
         prepared = [engine.prepare_prompt(p) for p in prompts]
-        for _, token_ids in prepared:
-            engine.validate_prompt(token_ids)
+        for (_, token_ids), p in zip(prepared, params):
+            engine.validate_prompt(token_ids, p)
         for p in {id(p): p for p in params}.values():
             engine.validate_params(p)
             if p.structured_outputs is not None:
@@ -92,7 +115,9 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render conversations with the tokenizer's chat template, then generate."""
+        """Render conversations with the tokenizer's chat template, then :meth:`generate`:
+        one :class:`RequestOutput` per conversation (``messages`` may be one conversation,
+        a list of ``{"role", "content"}`` dicts, or a list of them)."""
         from raypp.engine.tokenizer import render_chat
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -129,6 +154,13 @@ class LLM:
         outputs = [finished.get(i) for i in request_ids]
         errors = {k: o.error for k, o in enumerate(outputs) if o is not None and o.error}
         return RequestFailedError(errors, outputs)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's sampling defaults: those its
+        ``generation_config.json`` sets (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+        ``repetition_penalty``; ``generation_config="none"`` ignores it), the rest
+        ``SamplingParams``' own."""
+        return SamplingParams(**self.engine.config.model.sampling_defaults)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:

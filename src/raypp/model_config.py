@@ -1,13 +1,19 @@
-"""ModelConfig: which checkpoint to run and how (dtype, length, seed)."""
+"""ModelConfig: which checkpoint to run and how (dtype, length, seed, sampling defaults)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from raypp.model.gguf_cache import GGUFMetadata
+    from raypp.model_source import HubModel
+
+DEFAULT_CACHE_DIR = "~/.cache/raypp"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -26,43 +32,76 @@ class ModelConfig:
     """A checkpoint and how to run it: a Hugging Face–format directory (``config.json``,
     safetensors, tokenizer), or a GGUF file (or a directory holding one ``.gguf`` and no
     ``config.json``), whose config and tokenizer transformers reads from its metadata.
+    ``model`` is a model name (:func:`raypp.model_source.resolve_model`: a path,
+    ``"demo"``, or a Hugging Face Hub id, fetched at ``revision``: a branch, tag or commit,
+    default ``main``; ``revision`` with any other name is a ``ValueError``).
 
-    After construction ``model`` is the resolved directory, or the resolved ``.gguf``
-    file, and ``architecture`` the supported architecture the config names (a config
-    without ``architectures`` falls back to its ``model_type``, as transformers does).
-    Raises ``FileNotFoundError`` naming the path when it or its ``config.json`` is
-    missing, ``ValueError`` for an unsupported architecture (naming the supported ones),
-    GGUF tensor type (naming it), dtype or ``max_model_len``.
+    ``cache_dir`` is where raypp keeps what it fetches and derives (the demo model, a GGUF
+    file's config, tokenizer and tensor table: :mod:`raypp.model.gguf_cache`);
+    :meth:`raypp.config.EngineConfig.from_kwargs` fills it from ``RAYPP_CACHE_DIR``, else
+    :data:`DEFAULT_CACHE_DIR`, the default here too.
+
+    ``max_model_len`` left ``None`` is the checkpoint's ``max_position_embeddings``, and
+    ``max_model_len_given`` False: the engine may then lower it to what its KV cache holds
+    (:meth:`fit_max_model_len`). ``generation_config``: ``"auto"`` takes the sampling
+    defaults (:attr:`sampling_defaults`) from the checkpoint's ``generation_config.json``
+    (for a GGUF file: one beside it), ``"none"`` ignores it, a directory reads its
+    ``generation_config.json``.
+
+    After construction ``model`` is the resolved directory, or the ``.gguf`` file (its
+    directory resolved, its name kept: in a Hub snapshot it is a link to a blob),
+    ``hub`` where a Hub id came from (:class:`~raypp.model_source.HubModel`: repo, the
+    commit resolved, GGUF file; ``None`` for a local path), ``tokenizer`` where
+    transformers loads the tokenizer from, and ``architecture`` the supported
+    architecture the config names (a config without ``architectures`` falls back to its
+    ``model_type``, as transformers does). Raises ``FileNotFoundError``
+    (:class:`~raypp.model_source.ModelNotFoundError`) naming the path when it, or its
+    ``config.json``, is missing or when it is a file other than a GGUF file, and naming
+    what was tried for a Hub id that cannot be had; ``ValueError`` for an unsupported
+    architecture (naming the supported ones), GGUF tensor type (naming it), dtype,
+    ``max_model_len``, ``generation_config`` or ``revision``.
     """
 
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    generation_config: str = "auto"
+    cache_dir: str | None = None
+    revision: str | None = None
+    hub: HubModel | None = field(init=False, repr=False, default=None)
     hf_config: dict[str, Any] = field(init=False, repr=False)
     architecture: str = field(init=False)
+    tokenizer: str = field(init=False, repr=False)
+    max_model_len_given: bool = field(init=False, repr=False)
+    gguf: GGUFMetadata | None = field(init=False, repr=False, default=None)
+    sampling_defaults: dict[str, Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from raypp.model import gguf
         from raypp.model.registry import resolve_architecture
+        from raypp.model_source import KINDS, ModelNotFoundError, resolve_model
 
-        path = Path(self.model).expanduser()
+        self.cache_dir = str(Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser())
+        source = resolve_model(self.model, self.cache_dir, revision=self.revision)
+        path, self.hub = source.path, source.hub
         gguf_file = gguf.find_gguf(path)
         if gguf_file is not None:
-            self.model = str(gguf_file.resolve())
-            self.hf_config = gguf.read_config(self.model)
+            self.model = str(gguf_file.parent.resolve() / gguf_file.name)
+            self.gguf = gguf.metadata(self.model, self.cache_dir)
+            self.hf_config = self.gguf.config
+            self.tokenizer = self.gguf.tokenizer_dir or self.model
         else:
-            if not path.is_dir():
-                raise FileNotFoundError(
-                    f"model directory {self.model!r} does not exist (raypp loads local "
-                    "Hugging Face–format directories: config.json + *.safetensors + tokenizer, "
-                    "or a .gguf file)"
-                )
+            if path.is_file():
+                raise ModelNotFoundError(f"model {self.model!r} is a file but not a GGUF file "
+                                         f"(.gguf); a model is {KINDS}")
             config_file = path / "config.json"
             if not config_file.is_file():
-                raise FileNotFoundError(f"{str(config_file)!r} not found: not a Hugging Face "
-                                        "model dir (nor a directory holding one .gguf file)")
+                raise ModelNotFoundError(f"{str(config_file)!r} not found: {self.model!r} is not "
+                                         "a Hugging Face model directory (nor a directory "
+                                         f"holding one .gguf file); a model is {KINDS}")
             self.model = str(path.resolve())
+            self.tokenizer = self.model
             self.hf_config = json.loads(config_file.read_text())
         try:
             self.architecture = resolve_architecture(self.hf_config)
@@ -70,6 +109,7 @@ class ModelConfig:
             raise ValueError(f"model {self.model!r}: {e}") from None
         _ = self.torch_dtype  # validates dtype
         limit = self.max_position_embeddings
+        self.max_model_len_given = self.max_model_len is not None
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
@@ -77,6 +117,15 @@ class ModelConfig:
                 f"max_model_len must be an integer in [1, {limit}] (the checkpoint's "
                 f"max_position_embeddings), got {self.max_model_len!r}"
             )
+        self.sampling_defaults = self._read_sampling_defaults()
+
+    def fit_max_model_len(self, tokens: int) -> bool:
+        """Lower ``max_model_len`` to ``tokens`` (what the KV cache holds) if the user gave
+        none; False (nothing changed) when they gave one or it already fits."""
+        if self.max_model_len_given or self.max_model_len <= tokens:
+            return False
+        self.max_model_len = tokens
+        return True
 
     @property
     def is_gguf(self) -> bool:
@@ -119,6 +168,31 @@ class ModelConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         return _DTYPES[self.dtype]
 
+    def _generation_config_file(self) -> Path | None:
+        """``generation_config.json`` as ``generation_config`` says, or ``None``."""
+        choice = self.generation_config
+        if choice == "none":
+            return None
+        if choice == "auto":
+            folder = Path(self.model).parent if self.is_gguf else Path(self.model)
+        else:
+            folder = Path(choice).expanduser()
+            if not folder.is_dir():
+                raise ValueError("generation_config must be 'auto', 'none' or a directory "
+                                 f"holding generation_config.json, got {choice!r}")
+        file = folder / "generation_config.json"
+        return file if file.is_file() else None
+
+    def _read_sampling_defaults(self) -> dict[str, Any]:
+        file = self._generation_config_file()
+        if file is None:
+            return {}
+        try:
+            gen = json.loads(file.read_text())
+        except ValueError as e:
+            raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from None
+        return {key: gen[key] for key in _SAMPLING_KEYS if gen.get(key) is not None}
+
     def eos_token_ids(self) -> list[int]:
         """EOS ids from generation_config.json, else config.json (a GGUF file: its metadata)."""
         gen = Path(self.model) / "generation_config.json"
@@ -127,3 +201,10 @@ class ModelConfig:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, list) else [int(eos)]
+
+
+# The SamplingParams fields a generation_config.json may set, as vLLM takes them (its
+# do_sample is ignored there too). max_new_tokens is not taken: a
+# request's default length stays its API's (16 for SamplingParams and completions, the
+# context's end for chat), which the context bounds.
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

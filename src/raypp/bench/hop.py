@@ -389,5 +389,6 @@ def add_hop_args(parser: argparse.ArgumentParser) -> None:
                         help="steps outstanding; >1 reports the gap between completions")
     parser.add_argument("--no-gloo-raw", dest="gloo_raw", action="store_false",
                         help="skip the raw gloo ping-pong between two stages")
-    parser.add_argument("--ray-address", default=None)
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write results as JSON")

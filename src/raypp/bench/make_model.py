@@ -31,9 +31,11 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: heads)")
     parser.add_argument("--vocab", type=int, default=384,
                         help="tokenizer vocabulary (BPE trained on the bundled corpus)")
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-position-embeddings", type=int, default=2048,
+                        help="the model's context length")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the weights written")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     moe = parser.add_argument_group("mixture of experts (qwen3_moe, mixtral)")
     moe.add_argument("--experts", type=int, default=8, help="experts per sparse layer")
     moe.add_argument("--experts-per-token", type=int, default=2, help="experts each token uses")

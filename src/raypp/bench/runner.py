@@ -43,12 +43,12 @@ from raypp.bench.workload import (
 def make_llm(args: argparse.Namespace) -> Any:
     """The ``LLM`` a ``throughput`` or ``latency`` command line describes (starts Ray)."""
     from raypp import LLM
-    from raypp.entrypoints.args import engine_kwargs, resolve_model
+    from raypp.entrypoints.args import engine_kwargs, model_name
     from raypp.executor.stage_pool import ensure_ray
 
     ensure_ray(args.ray_address)
     # a timeline needs the stages' send/recv intervals
-    return LLM(resolve_model(args.model, args.demo), **engine_kwargs(args),
+    return LLM(model_name(args, default="demo"), **engine_kwargs(args),
                **({"trace_comm": True} if args.timeline else {}))
 
 
@@ -317,11 +317,9 @@ def run_latency(args: argparse.Namespace, llm: Any = None) -> dict[str, Any]:
 # -- options --------------------------------------------------------------------------------
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     """Model, workload and output options shared by ``throughput`` and ``latency``."""
-    from raypp.entrypoints.args import add_engine_args
+    from raypp.entrypoints.args import add_engine_args, add_model_args
 
-    parser.add_argument("--model", default=None, help="Hugging Face–format model directory")
-    parser.add_argument("--demo", action="store_true",
-                        help="use the demo model (SmolLM2-135M-Instruct, fetched once)")
+    add_model_args(parser, required=False)
     parser.add_argument("--num-prompts", type=int, default=num_prompts,
                         help="synthetic requests (or the first N of --dataset)")
     parser.add_argument("--input-len", type=int, default=32,

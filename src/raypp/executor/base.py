@@ -185,15 +185,18 @@ class Executor(abc.ABC):
 
     def _no_result(self, timeout: float) -> StageDiedError | StepTimeoutError:
         """No result within ``timeout``: a dead stage if Ray confirms one, else a stuck one
-        (whose thread stacks are logged)."""
+        (whose thread stacks are written to a file the error names)."""
         dead = self.pool.dead_stages()
         if dead:
             return self._died("; ".join(dead))
-        self.pool.log_stacks()
+        try:
+            stacks = f"; every stage's stacks: {self.pool.write_stacks()}"
+        except OSError as e:
+            stacks = f"; stacks not written: {e}"
         return self._broken_by(StepTimeoutError(
             f"no step result within {timeout:g} s although every stage answers "
             f"(step_timeout_s / RAYPP_STEP_TIMEOUT_S): a stage is stuck ({self.control_plane} "
-            f"control plane, namespace {self.namespace})"))
+            f"control plane, namespace {self.namespace}){stacks}"))
 
     def _check_not_broken(self) -> None:
         if self._broken is not None:

@@ -11,6 +11,7 @@ submits a :class:`~raypp.step.StepInput`; each stage returns a
 An idle compiled graph's stage loops poll their channels and burn CPU, so a
 watchdog tears the graph down after ``idle_suspend_s`` without steps; the next
 ``submit`` recompiles it on the same actors, groups, weights and KV caches (~0.3 s).
+Ray's log lines about it are DEBUG (:mod:`raypp.executor.ray_logs`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from raypp.config import EngineConfig
 from raypp.distributed.ray_communicator import RayPPCommunicator
 from raypp.errors import StageDiedError, StageError, StepTimeoutError, first_line
 from raypp.executor.base import Executor
+from raypp.executor.ray_logs import quiet_ray_logs
 from raypp.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -42,12 +44,14 @@ class CompiledGraphExecutor(Executor):
 
     def __init__(self, config: EngineConfig):
         self.dag: Any = None
+        self._compiled_once = False
         self._inflight = 0  # steps submitted whose result was not read yet
         self._last_active = time.monotonic()
         self._stop = threading.Event()
         # a zero-timeout read of one shared-memory channel takes the whole value or nothing
         tp = config.parallel.tensor_parallel_size
         self._poll_results = config.runtime.driver_wait == "poll" and tp == 1
+        quiet_ray_logs()  # the idle teardowns' INFO lines, errors about workers raypp killed
         super().__init__(config)
 
     def _start_plane(self) -> None:
@@ -73,6 +77,7 @@ class CompiledGraphExecutor(Executor):
                              for t, node in enumerate(nodes)]
             # every TP rank of the last stage samples identically; the graph returns all
             out = nodes[0] if self.tp_size == 1 else MultiOutputNode(nodes)
+        self._compiled_once = True
         self.dag = out.experimental_compile(
             _max_inflight_executions=self.config.executor_depth,
             _buffer_size_bytes=self._channel_buffer_bytes(),
@@ -82,15 +87,17 @@ class CompiledGraphExecutor(Executor):
     def _pp_transport(self, tp_rank: int) -> Any:
         if self.pp_size == 1:
             return None
+        # said once at INFO; each recompile after an idle teardown says it at DEBUG
+        level = logging.INFO if self.dag is None and not self._compiled_once else logging.DEBUG
         if self.config.parallel.use_ray_wrapped_pp_comm:
             if tp_rank == 0:
-                logger.info("PP edges: RayPPCommunicator over the engine's PP group (%s)",
-                            "NCCL" if self.config.device == "cuda" else "gloo")
+                logger.log(level, "PP edges: RayPPCommunicator over the engine's PP group (%s)",
+                           "NCCL" if self.config.device == "cuda" else "gloo")
             return RayPPCommunicator(self.pool.lane(tp_rank))
         native = "accelerator" if self.config.device == "cuda" else "shm"
         if tp_rank == 0:
-            logger.info("PP edges: Ray's own transport (%s); use_ray_wrapped_pp_comm=False",
-                        native)
+            logger.log(level, "PP edges: Ray's own transport (%s); use_ray_wrapped_pp_comm=False",
+                       native)
         return native
 
     def _channel_buffer_bytes(self) -> int:

@@ -4,7 +4,8 @@ Both control planes drive a :class:`StagePool`; it knows nothing about how steps
 reach the stages. :meth:`StagePool.start` runs: join or start Ray → one
 placement-group bundle per worker → actors named ``raypp_worker_<pp_rank>_<tp_rank>``
 in a namespace of their own → ``torch.distributed`` rendezvous at an address rank 0
-picks → model shards → KV cache sized to the smallest stage budget.
+picks → model shards → KV cache sized to the smallest stage budget (and ``max_model_len``
+fitted to it when the user gave none).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -232,16 +235,32 @@ class StagePool:
         num_blocks = budgets[index].blocks
         self.stage_summary = stage_summary(self.load_info, [b.blocks for b in budgets], self.tp_size)
         logger.info("stages:\n%s", format_stage_table(self.stage_summary, index // self.tp_size))
-        need = -(-self.config.model.max_model_len // self.config.cache.block_size)
-        if num_blocks < need:
-            raise ValueError(
-                f"KV cache budget holds {num_blocks} blocks but one max_model_len "
-                f"({self.config.model.max_model_len}) sequence needs {need}: "
-                f"{self.name(index)}: {budgets[index].explain()}; raise the KV memory budget, "
-                "lower max_model_len, or give the workers more memory each"
-            )
+        self._fit_max_model_len(num_blocks, f"{self.name(index)}: {budgets[index].explain()}")
         self.gather([w.init_kv_cache.remote(num_blocks) for w in self.all_workers])
         return num_blocks
+
+    def _fit_max_model_len(self, num_blocks: int, budget: str) -> None:
+        """Make one ``max_model_len`` sequence fit ``num_blocks``: lower ``max_model_len``
+        to what they hold when the user gave none (one WARNING naming both numbers), else
+        ``ValueError`` naming the numbers and what to change."""
+        model, block_size = self.config.model, self.config.cache.block_size
+        need = -(-model.max_model_len // block_size)
+        if num_blocks >= need:
+            return
+        wanted, fits = model.max_model_len, num_blocks * block_size
+        if fits > 0 and model.fit_max_model_len(fits):
+            logger.warning(
+                "max_model_len lowered from %d (the checkpoint's max_position_embeddings) to %d "
+                "tokens, what the KV cache holds (%d blocks; %s); --max-model-len "
+                "(max_model_len) sets it, --kv-cache-memory (kv_cache_memory_bytes) or "
+                "--gpu-memory-utilization gives the cache more memory",
+                wanted, fits, num_blocks, budget)
+            return
+        raise ValueError(
+            f"KV cache budget holds {num_blocks} blocks but one max_model_len ({wanted}) "
+            f"sequence needs {need}: {budget}; raise the KV memory budget (--kv-cache-memory, "
+            "--gpu-memory-utilization), lower max_model_len (--max-model-len), or give the "
+            "workers more memory each")
 
     @staticmethod
     def gather(refs: list[Any], timeout: float = STARTUP_TIMEOUT_S) -> list[Any]:
@@ -271,16 +290,25 @@ class StagePool:
         return ray.get([getattr(w, method).remote(*args) for w in self.all_workers],
                        timeout=timeout)
 
-    def log_stacks(self) -> None:
-        """Log every worker's thread stacks: where a stuck step waits."""
+    def write_stacks(self) -> Path:
+        """Every worker's thread stacks (where a stuck step waits), written to a file in
+        ``<tmp>/raypp/``; returns its path (the stacks are also logged at DEBUG)."""
         refs = [w.stacks.remote() for w in self.all_workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)  # 5 s for all of them
+        parts = []
         for index, ref in enumerate(refs):
             try:
                 stacks = ray.get(ref, timeout=0) if ref in ready else "(no answer within 5 s)"
             except Exception as e:  # noqa: BLE001 - a report, not a requirement
                 stacks = f"(unavailable: {first_line(e)})"
-            logger.error("stuck step: stacks of %s:\n%s", self.name(index), stacks)
+            parts.append(f"== stacks of {self.name(index)}:\n{stacks}\n")
+        text = "\n".join(parts)
+        logger.debug("stuck step:\n%s", text)
+        folder = Path(tempfile.gettempdir()) / "raypp"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"stacks-{self.namespace}-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        path.write_text(text)
+        return path
 
     # -- teardown ------------------------------------------------------------------------
     def kill(self) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from raypp.model.base import LoadReport, StageModel
+
+if TYPE_CHECKING:
+    from raypp.model.gguf_cache import GGUFMetadata
 
 
 def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
@@ -54,18 +57,20 @@ class LazySlice:
         return tensor
 
 
-def load_stage_weights(model: StageModel, model_dir: str) -> LoadReport:
+def load_stage_weights(model: StageModel, model_dir: str,
+                       gguf_meta: GGUFMetadata | None = None) -> LoadReport:
     """Fill ``model``'s parameters, reading only this stage's tensors and, of
     each, only this TP rank's slice. ``model_dir``: a Hugging Face directory, or a
-    ``.gguf`` file (:class:`raypp.config.ModelConfig` resolves a GGUF directory to it).
+    ``.gguf`` file (:class:`raypp.model_config.ModelConfig` resolves a GGUF directory to
+    it, and derives ``gguf_meta``, which is read from the file when not given).
 
     Raises ``ValueError`` naming any parameter of the stage that the checkpoint
     does not provide.
     """
     if model_dir.endswith(".gguf"):
-        from raypp.model.gguf import load_gguf_weights
+        from raypp.model.gguf import load_gguf_weights, metadata
 
-        return load_gguf_weights(model, model_dir)
+        return load_gguf_weights(model, gguf_meta or metadata(model_dir, None))
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     report = LoadReport()

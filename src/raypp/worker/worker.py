@@ -12,11 +12,12 @@ control plane drives it. Everything the worker does is set by the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,25 +35,16 @@ from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.faults import FaultInjector
+from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
 from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
 
+if TYPE_CHECKING:
+    from raypp.model.gguf_cache import GGUFMetadata
+    from raypp.model_config import ModelConfig
+
 logger = logging.getLogger(__name__)
 _GIB = 2**30
-
-
-@dataclass(frozen=True)
-class KVBudget:
-    """How many KV blocks a worker can hold, and the numbers behind it."""
-
-    blocks: int
-    budget_bytes: int
-    block_bytes: int
-    source: str  # where the budget comes from, for error messages
-
-    def explain(self) -> str:
-        return (f"{self.budget_bytes / _GIB:.2f} GiB for the KV cache ({self.source}), "
-                f"{self.block_bytes} bytes per block")
 
 
 class StageWorker:
@@ -73,6 +65,10 @@ class StageWorker:
                                                       self.layout.world_size))
             torch.set_num_threads(self._threads.full)  # loading and set-up
         ray_compat.apply(on_cpu=self.device.type == "cpu")
+        if config.model.gguf is not None:  # its imports overlap the rendezvous
+            from raypp.model.gguf import preload
+
+            preload()
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
         self.model: Any = None
@@ -113,7 +109,7 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device))
-        report = load_stage_weights(self.model, mc.model)
+        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc))
         self.model.eval()
         return {
             "pp_rank": self.pp_rank,
@@ -135,25 +131,30 @@ class StageWorker:
 
         On CUDA the workers of one GPU (every model loaded, no cache allocated yet)
         split what ``gpu_memory_utilization`` leaves of the device evenly; on CPU each
-        worker takes ``kv_cache_memory_bytes``.
+        worker takes ``kv_cache_memory_bytes``, or when that is unset its share of the
+        host's available memory (:func:`raypp.worker.kv_memory.cpu_budget`).
         """
         cache = self.config.cache
         block = self.kv_block_bytes()
         if cache.num_blocks_override:
             n = cache.num_blocks_override
             return KVBudget(n, n * block, block, "num_blocks_override")
+        world = parallel_state.get_world_group()
+        sharing = world.localities.count(world.localities[world.rank_in_group])
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            world = parallel_state.get_world_group()
-            sharing = world.localities.count(world.localities[world.rank_in_group])
             budget = (free - (1 - cache.gpu_memory_utilization) * total) / sharing
             source = (f"{free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB, keeping "
                       f"{1 - cache.gpu_memory_utilization:.0%} free, shared by {sharing} "
                       "worker(s) on this GPU")
-        else:
-            budget = cache.kv_cache_memory_bytes
-            source = "kv_cache_memory_bytes"
-        return KVBudget(max(0, int(budget // block)), max(0, int(budget)), block, source)
+            return KVBudget.of(budget, block, source)
+        if cache.kv_cache_memory_bytes is not None:
+            return KVBudget.of(cache.kv_cache_memory_bytes, block, "kv_cache_memory_bytes")
+        import psutil
+
+        per_seq = -(-self.config.model.max_model_len // cache.block_size)
+        return cpu_budget(psutil.virtual_memory().available, sharing, block,
+                          self.config.scheduler.max_num_seqs * per_seq)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache and, on CUDA unless ``enforce_eager``, capture the
@@ -161,7 +162,7 @@ class StageWorker:
         mc, rc = self.config.model, self.config.runtime
         kv_heads, head_dim = self.model.kv_cache_layout()
         shape = (2, num_blocks, self.config.cache.block_size, kv_heads, head_dim)
-        kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device)
+        kv_caches = [zeros(shape, mc.torch_dtype, self.device)
                      for _ in range(self.model.num_layers)]
         graphs = None
         uncapturable = (self.model.decode_graphs_unsupported()
@@ -179,7 +180,9 @@ class StageWorker:
             graphs = DecodeGraphs(
                 self.model, kv_caches, is_first=self.stage.is_first, is_last=self.stage.is_last,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
-                max_blocks_per_seq=-(-mc.max_model_len // self.config.cache.block_size),
+                # the engine may have fitted max_model_len to num_blocks after this config was sent
+                max_blocks_per_seq=min(-(-mc.max_model_len // self.config.cache.block_size),
+                                       num_blocks),
                 hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
                 compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
             ).capture()
@@ -292,3 +295,16 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray
         return "127.0.0.1"
+
+
+def _checkpoint_on_this_node(mc: ModelConfig) -> tuple[str, GGUFMetadata | None]:
+    """The checkpoint path this stage loads and its GGUF tensor table: the driver's, or on a
+    node without the driver's path, the Hub model fetched into this node's own cache at the
+    driver's commit (:func:`raypp.model_source.stage_checkpoint`; a local path missing
+    here is a ``ModelNotFoundError`` saying what to do)."""
+    from raypp.model_source import stage_checkpoint
+
+    path = stage_checkpoint(mc.model, mc.hub)
+    if path == mc.model or mc.gguf is None:
+        return path, mc.gguf
+    return path, dataclasses.replace(mc.gguf, path=str(Path(path).resolve()))

@@ -39,6 +39,7 @@ class ChatServing:
     async def chat(self, req: rq.ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
         serving.note_unknown_fields(req, "/v1/chat/completions")
+        req = serving.with_defaults(req)
         try:
             plan = ToolPlan.of(req, self.parser)
             req.check_supported()

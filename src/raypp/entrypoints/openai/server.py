@@ -1,8 +1,9 @@
 """``raypp serve MODEL -pp N``: the OpenAI-compatible server as a command.
 
 What callers may rely on: :func:`run_server` starts the engine, serves until
-interrupted (uvicorn), then shuts the engine down; it returns 2 without MODEL
-or ``--demo``. The API key is ``--api-key``, else ``RAYPP_API_KEY``, else none:
+interrupted (uvicorn), then shuts the engine down; it raises
+:class:`~raypp.entrypoints.args.UsageError` without a model (``MODEL``, ``--model`` or
+``--demo``). The API key is ``--api-key``, else ``RAYPP_API_KEY``, else none:
 this command is the one place the server's own configuration reads the
 environment.
 """
@@ -14,26 +15,23 @@ import argparse
 from raypp import envs
 from raypp.engine.async_engine import AsyncLLMEngine
 from raypp.engine.engine import LLMEngine
-from raypp.entrypoints.args import add_engine_args, engine_config, resolve_model
+from raypp.entrypoints.args import add_engine_args, add_model_args, engine_config, model_name
 from raypp.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
 from raypp.entrypoints.openai.tool_parsers import PARSERS
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    """``raypp serve [MODEL] [--demo] …`` (called by the CLI)."""
+    """``raypp serve MODEL …`` (called by the CLI)."""
     parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face–format model directory, or a .gguf file")
-    parser.add_argument("--demo", action="store_true",
-                        help="serve the demo model (SmolLM2-135M-Instruct, fetched once)")
+    add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                              "(default: RAYPP_API_KEY, else no key)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients use (default: the MODEL argument)")
+                        help="model name(s) clients use (default: the model as named)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
@@ -49,14 +47,12 @@ def run_server(args: argparse.Namespace) -> int:
     """Start the engine, serve until interrupted, then shut the engine down."""
     import uvicorn
 
-    if args.model is None and not args.demo:
-        print("raypp serve: give a MODEL directory or --demo", flush=True)
-        return 2
-    model = resolve_model(args.model, args.demo)
-    names = args.served_model_name or [args.model or "raypp-demo"]
-    engine = AsyncLLMEngine(LLMEngine(engine_config(model, args)), collect_stage_times=True)
+    model = model_name(args)
+    names = args.served_model_name or [model]
+    engine_cfg = engine_config(model, args)  # the model and every option, before anything starts
+    engine = AsyncLLMEngine(LLMEngine(engine_cfg), collect_stage_times=True)
     try:
-        config = ServerConfig(names, model, args.api_key or envs.RAYPP_API_KEY,
+        config = ServerConfig(names, engine_cfg.model.model, args.api_key or envs.RAYPP_API_KEY,
                               args.max_request_bytes, args.tool_call_parser)
         uvicorn.run(build_app(engine, config), host=args.host, port=args.port,
                     log_level=args.log_level, access_log=args.access_log)

@@ -6,9 +6,12 @@ What callers may rely on:
 
 - A request is validated completely (model name, sampling options, every
   prompt, its grammar compiled) before any of it reaches the engine; a problem
-  raises a 4xx :class:`~raypp.entrypoints.openai.errors.APIError` naming the field.
-  Compiling waits on the engine's compile thread, not on the event loop or the
-  engine's loop: other requests keep streaming meanwhile.
+  raises a 4xx :class:`~raypp.entrypoints.openai.errors.APIError` naming the field; a
+  prompt plus ``max_tokens`` over ``max_model_len`` is a 400 naming both numbers
+  (``code="context_length_exceeded"``). Compiling waits on the engine's compile thread,
+  not on the event loop or the engine's loop: other requests keep streaming meanwhile.
+- Sampling fields the client did not send take the model's generation-config defaults
+  (``AsyncLLMEngine.sampling_defaults``).
 - Fields no model declares are accepted and logged once per name (debug).
 - ``best_of`` > ``n``: ``best_of`` completions are generated per prompt and the ``n``
   with the highest sum of token logprobs returned.
@@ -43,6 +46,7 @@ from raypp.entrypoints.openai import requests as rq
 from raypp.entrypoints.openai.errors import APIError, generation_failure
 from raypp.entrypoints.openai.logprobs import completion_logprobs
 from raypp.entrypoints.openai.streaming import Deltas, merge, sse, sse_response, unless_disconnected
+from raypp.errors import ContextLengthError
 from raypp.outputs import CompletionOutput, RequestOutput
 from raypp.sampling_params import SamplingParams
 
@@ -140,6 +144,7 @@ class OpenAIServing:
     # -- /v1/completions --------------------------------------------------------------------
     async def completions(self, req: rq.CompletionRequest, request: Request) -> Response:
         self.note_unknown_fields(req, "/v1/completions")
+        req = self.with_defaults(req)
         try:
             prompts = req.prompts()
         except p.BadRequest as e:
@@ -206,6 +211,13 @@ class OpenAIServing:
         return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
 
     # -- admission and running ----------------------------------------------------------------
+    def with_defaults(self, req: Any) -> Any:
+        """``req`` with the model's sampling defaults (its generation config) in the fields
+        the client did not send (or sent as null)."""
+        unset = {k: v for k, v in self.engine.sampling_defaults.items()
+                 if k in type(req).model_fields and getattr(req, k) is None}
+        return req.model_copy(update=unset) if unset else req
+
     def _model_name(self, requested: str | None) -> str:
         names = self.served_model_names
         if requested is None:
@@ -229,7 +241,10 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
         try:
-            prepared = [self.engine.prepare_prompt(prompt) for prompt in prompts]
+            prepared = [self.engine.prepare_prompt(prompt, params) for prompt in prompts]
+        except ContextLengthError as e:  # names the prompt's tokens, max_tokens, max_model_len
+            param = "max_tokens" if e.field == "max_tokens" else prompt_param
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e), param=prompt_param) from None
         try:
