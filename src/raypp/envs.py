@@ -109,6 +109,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _float("RAYPP_RESTART_WINDOW_S", "600"),
         "Rolling window, in seconds, over which restarts are counted.",
     ),
+    "RAYPP_MAX_FAILURES_PER_REQUEST": (
+        _int("RAYPP_MAX_FAILURES_PER_REQUEST", "2"),
+        "Pipeline failures (a stage died or stuck) in a row a request may be in flight at, "
+        "with no token produced between them, before it is failed as their likely cause "
+        "(a poison input); until then it is re-queued and continues where it was. 1: fail "
+        "every request in flight at a failure.",
+    ),
     "RAYPP_COMPILE_DECODE": (
         _bool("RAYPP_COMPILE_DECODE", "1"),
         "1 (default): the decode forward captured in CUDA graphs is torch.compile-d first "

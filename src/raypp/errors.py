@@ -25,6 +25,9 @@ class ErrorKind(str, enum.Enum):
     STEP_TIMEOUT = "step_timeout"  # its step hung; the workers are replaced
     ENGINE_DEAD = "engine_dead"  # the engine stopped (restart budget spent or shut down)
     INVALID_REQUEST = "invalid_request"  # refused after it was queued (its grammar did not compile)
+    # in flight at max_failures_per_request pipeline failures in a row with no token between
+    # them: likely their cause (a poison input), so not re-queued again
+    POISON_REQUEST = "poison_request"
 
     @property
     def retryable(self) -> bool:
