@@ -189,7 +189,7 @@ def test_failed_replacement_is_retried_then_reported(ray_cluster, tiny_llama, tm
     llm = LLM(str(model), pipeline_parallel_size=2, max_restarts=3)
     prompts = corpus_prompts(llm.get_tokenizer(), [3])
     watcher = _OnReplacementFailure(then=restore)
-    engine_logger = logging.getLogger("raypp.engine.engine")
+    engine_logger = logging.getLogger("raypp.engine.recovery")
     engine_logger.addHandler(watcher)
     try:
         hide()
