@@ -1,22 +1,22 @@
 """Chaos under load: stage kills while many clients stream, counted request by request.
 
 ``python -m benchmarks.chaos --model DIR [-pp 2] [--streams 32] [--kills 2] [--rounds 3]
-[--max-tokens 160] [--plane cgraph] [--json OUT]`` (from the repository root, raypp
+[--max-tokens 160] [--plane cgraph] [--engine-args JSON] [--json OUT]`` (from the repository root, raypp
 importable; CPU or GPU)
 
 A real OpenAI server on loopback (uvicorn, the engine behind ``AsyncLLMEngine``), one
 engine for the whole run. Each round: ``--streams`` concurrent greedy streaming
 completions run once without a fault (the reference), then again while a killer
-``ray.kill``s a random stage ``--kills`` times at random moments (after a random number
-of further chunks reached every stream; the next kill waits for the workers to be
-replaced). Recorded per round and in total:
+``ray.kill``s a stage ``--kills`` times (the stages in turn) at random moments (after a
+random number of further chunks reached every stream; the next kill waits for the
+workers to be replaced). Recorded per round and in total:
 
 - requests completed / failed; streams whose text differs from the no-fault run;
   chunks received beyond or short of the reference (a token sent twice or skipped);
 - the pause each stream saw across a kill (the longest gap between two of its chunks
   that spans the kill), as p50 / p99 / max over streams and kills;
-- time to recover: kill → workers replaced, kill → first chunk after the kill (any
-  stream), kill → every unfinished stream had a chunk again.
+- time to recover: kill → workers replaced, kill → the first chunk after the
+  replacement (any stream), kill → every unfinished stream had one again.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ async def _stream(client: Any, prompt: str, max_tokens: int, streams: _Streams, 
 
 
 async def _killer(engine: Any, streams: _Streams, kills: int, rng: random.Random,
-                  log: list[dict]) -> None:
+                  log: list[dict], first: int) -> None:
     import ray
 
-    for _ in range(kills):
+    for kill in range(kills):
         marks = [len(c) for c in streams.chunks]
         more = rng.randint(2, 30)
         while not all(d or len(c) >= m + more for c, m, d in zip(streams.chunks, marks,
@@ -69,18 +69,20 @@ async def _killer(engine: Any, streams: _Streams, kills: int, rng: random.Random
         if all(streams.done):
             return
         before = engine.restarts
-        stage = rng.randrange(engine.config.parallel.pipeline_parallel_size)
+        stage = (first + kill) % engine.config.parallel.pipeline_parallel_size
         actor = ray.get_actor(f"raypp_worker_{stage}_0", namespace=engine.executor.namespace)
         killed_at = time.monotonic()
         ray.kill(actor, no_restart=True)
-        while engine.restarts == before and not engine.recovery.dead:
+        # replaced: a restart began (counted) and ended (no restart pending)
+        while ((engine.restarts == before or engine.recovery.needs_restart)
+               and not engine.recovery.dead):
             await asyncio.sleep(0.01)
         log.append({"stage": stage, "killed_at": killed_at,
-                    "replaced_s": time.monotonic() - killed_at})
+                    "replaced_at": time.monotonic()})
 
 
 async def _round(url: str, engine: Any, n: int, max_tokens: int, kills: int,
-                 rng: random.Random) -> tuple[_Streams, list[dict]]:
+                 rng: random.Random, first_kill: int = 0) -> tuple[_Streams, list[dict]]:
     import openai
 
     streams, log = _Streams(n), []
@@ -89,22 +91,24 @@ async def _round(url: str, engine: Any, n: int, max_tokens: int, kills: int,
         jobs = [_stream(client, PROMPTS[i % 4] + " " * (i // 4), max_tokens, streams, i)
                 for i in range(n)]
         if kills:
-            jobs.append(_killer(engine, streams, kills, rng, log))
+            jobs.append(_killer(engine, streams, kills, rng, log, first_kill))
         await asyncio.gather(*jobs)
     return streams, log
 
 
 def _recovery(streams: _Streams, kill: dict) -> dict:
-    """Pauses each stream saw across ``kill``, and when streaming resumed."""
-    at = kill["killed_at"]
+    """Pauses each stream saw across ``kill`` (its longest gap between chunks around the
+    workers' replacement), and when streaming resumed after the replacement."""
+    at, replaced = kill["killed_at"], kill["replaced_at"]
     pauses, resumed = [], []
     for chunks in streams.chunks:
         times = [t for t, _ in chunks]
-        after = [t for t in times if t > at]
+        after = [t for t in times if t > replaced]
         if not after:
-            continue  # finished before the kill
+            continue  # finished before the workers were replaced
         before = [t for t in times if t <= at]
-        pauses.append(after[0] - (before[-1] if before else at))
+        window = [before[-1] if before else at] + [t for t in times if at < t <= after[0]]
+        pauses.append(max(b - a for a, b in zip(window, window[1:])))
         resumed.append(after[0] - at)
     return {"pauses": pauses, "first_chunk_after_s": min(resumed, default=None),
             "all_resumed_s": max(resumed, default=None)}
@@ -118,7 +122,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def chaos(model: str, pp: int, n: int, kills: int, rounds: int, max_tokens: int, plane: str,
-          seed: int) -> dict:
+          seed: int, engine_args: dict | None = None) -> dict:
     from raypp import LLM
     from raypp.engine.async_engine import AsyncLLMEngine
     from raypp.entrypoints.openai.app import ServerConfig, build_app
@@ -126,16 +130,17 @@ def chaos(model: str, pp: int, n: int, kills: int, rounds: int, max_tokens: int,
 
     rng = random.Random(seed)
     llm = LLM(model, pipeline_parallel_size=pp, control_plane=plane,
-              max_restarts=kills * rounds + 1)
+              max_restarts=kills * rounds + 1, **(engine_args or {}))
     engine = AsyncLLMEngine(llm.engine)
     server = ServerThread(build_app(engine, ServerConfig(["m"], model))).start()
     per_round, pauses, replaced, first, everyone = [], [], [], [], []
     totals = {"requests": 0, "completed": 0, "failed": 0, "differing_streams": 0,
               "extra_chunks": 0, "missing_chunks": 0}
     try:
-        for _ in range(rounds):
+        for round_ in range(rounds):
             reference, _ = asyncio.run(_round(server.url, llm.engine, n, max_tokens, 0, rng))
-            faulty, log = asyncio.run(_round(server.url, llm.engine, n, max_tokens, kills, rng))
+            faulty, log = asyncio.run(_round(server.url, llm.engine, n, max_tokens, kills, rng,
+                                             round_ * kills))
             failed = sum(e is not None for e in faulty.errors)
             differing = sum(faulty.text(i) != reference.text(i) for i in range(n)
                             if faulty.errors[i] is None)
@@ -146,11 +151,12 @@ def chaos(model: str, pp: int, n: int, kills: int, rounds: int, max_tokens: int,
             for kill in log:
                 rec = _recovery(faulty, kill)
                 pauses += rec["pauses"]
-                replaced.append(kill["replaced_s"])
+                replaced.append(kill["replaced_at"] - kill["killed_at"])
                 if rec["first_chunk_after_s"] is not None:
                     first.append(rec["first_chunk_after_s"])
                     everyone.append(rec["all_resumed_s"])
-                kills_info.append({"stage": kill["stage"], "replaced_s": kill["replaced_s"],
+                kills_info.append({"stage": kill["stage"],
+                                   "replaced_s": kill["replaced_at"] - kill["killed_at"],
                                    "max_pause_s": max(rec["pauses"], default=None),
                                    "first_chunk_after_s": rec["first_chunk_after_s"],
                                    "all_resumed_s": rec["all_resumed_s"]})
@@ -165,7 +171,8 @@ def chaos(model: str, pp: int, n: int, kills: int, rounds: int, max_tokens: int,
         engine.shutdown()
     return {
         "model": model, "pp": pp, "plane": plane, "streams": n, "kills_per_round": kills,
-        "rounds": rounds, "max_tokens": max_tokens, "seed": seed, **totals,
+        "rounds": rounds, "max_tokens": max_tokens, "seed": seed,
+        "engine_args": engine_args or {}, "device": llm.engine.config.device, **totals,
         "kills": len(replaced), "restarts": llm.engine.restarts,
         "pause_across_kill_s": {"p50": _pct(pauses, 0.5), "p99": _pct(pauses, 0.99),
                                 "max": max(pauses, default=None), "n": len(pauses)},
@@ -195,11 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--plane", default="cgraph", choices=["cgraph", "direct"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-args", type=json.loads, default=None,
+                        help='more LLM options as JSON, e.g. \'{"workers_per_gpu": 2}\'')
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     ensure_ray(None)
     result = chaos(args.model, args.pipeline_parallel_size, args.streams, args.kills,
-                   args.rounds, args.max_tokens, args.plane, args.seed)
+                   args.rounds, args.max_tokens, args.plane, args.seed, args.engine_args)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -63,7 +63,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_STEP_TIMEOUT_S": (
         _float("RAYPP_STEP_TIMEOUT_S", "60"),
-        "Longest wait for one pipeline step's result before the step counts as hung.",
+        "How long no stage may advance its progress counter (each layer, each block of a "
+        "long attention) while the driver waits for a step before the pipeline counts as "
+        "stuck; a long step that advances is waited for.",
     ),
     "RAYPP_CPU_THREADS": (
         _int("RAYPP_CPU_THREADS", "0"),
