@@ -182,3 +182,12 @@ def test_quarantine_limit_one_fails_at_once_and_rejects_zero():
     assert Quarantine(limit=1).on_failure([a, a]) == [a]
     with pytest.raises(ValueError, match="limit must be >= 1"):
         Quarantine(limit=0)
+
+
+def test_max_failures_per_request_must_be_a_positive_integer():
+    from raypp.config import RuntimeConfig
+
+    assert RuntimeConfig().max_failures_per_request == 2
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="max_failures_per_request must be an integer >= 1"):
+            RuntimeConfig(max_failures_per_request=bad)
