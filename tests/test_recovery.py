@@ -28,8 +28,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def _kill(engine, pp_rank: int) -> None:
+    """Kill a stage actor and return once it is dead (``ray.kill`` only asks), so the
+    steps still to come meet the death."""
     actor = ray.get_actor(f"raypp_worker_{pp_rank}_0", namespace=engine.executor.namespace)
     ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the killed stage actor still answers")
 
 
 def _drive(engine, prompts: list[list[int]], params: SamplingParams, before_step) -> list[list[int]]:
