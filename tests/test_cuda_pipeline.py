@@ -118,13 +118,13 @@ def test_bf16_pipeline_logprobs_within_transformers_own_error(ray_cluster, tiny_
                                               "bf16 pp=2")
 
 
-def test_killed_stage_on_gpu_fails_fast_and_is_replaced(ray_cluster, tiny_llama, references):
-    """Kill the second stage's actor mid-generation: the in-flight requests fail within
-    seconds naming it, the workers are replaced (sharing the GPU again), and the next
-    request is served correctly."""
+def test_killed_stage_on_gpu_loses_no_request(ray_cluster, tiny_llama, references):
+    """Kill the second stage's actor mid-generation: the workers are replaced (sharing the
+    GPU again), every request is re-queued and completes, and the next request is served
+    correctly."""
     import ray
 
-    from raypp import RequestFailedError, SamplingParams
+    from raypp import SamplingParams
 
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with _llm(tiny_llama, 2, max_restarts=3) as llm:
@@ -138,11 +138,9 @@ def test_killed_stage_on_gpu_fails_fast_and_is_replaced(ray_cluster, tiny_llama,
 
         killer = threading.Thread(target=kill, daemon=True)
         killer.start()
-        with pytest.raises(RequestFailedError) as err:
-            llm.generate([PROMPTS[0]] * 48, long, use_tqdm=False)  # 12 waves of 200 steps
-        raised_at = time.monotonic()
+        outs = llm.generate([PROMPTS[0]] * 48, long, use_tqdm=False)  # 12 waves of 200 steps
         killer.join()
-        assert killed_at and raised_at - killed_at[0] < 10
-        assert "stage 1 (actor raypp_worker_1_0) died" in str(err.value)
+        assert killed_at and all(len(o.outputs[0].token_ids) == 200 for o in outs)
+        assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # one prompt, greedy
         assert _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False)) == references["greedy"]
         assert llm.engine.restarts == 1 and llm.is_healthy()

@@ -256,27 +256,26 @@ def _kill_soon(actor, delay: float, killed_at: list[float]) -> threading.Thread:
     return thread
 
 
-def test_killed_stage_fails_within_seconds_then_engine_recovers(ray_cluster, tiny_llama):
+def test_killed_stage_loses_no_request_and_leaves_nothing_behind(ray_cluster, tiny_llama):
+    """A middle stage, then the last, killed mid-batch: the batch completes as it does
+    without the kill (its requests re-queued on a fresh direct plane); the old executor
+    stays down and fails fast, and no stage process outlives it."""
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with _llm(tiny_llama, "direct", 3, max_restarts=5) as llm:
         prompts = _prompts(llm)
+        expected = _generate(llm, prompts * 2, long)
         for round_, victim in enumerate([1, 2]):  # a middle stage, then the last
             old = llm.engine.executor
             pids = _stage_pids(llm)
             killed_at: list[float] = []
             killer = _kill_soon(old.workers[victim][0], 1.0, killed_at)
-            with pytest.raises(RequestFailedError) as err:
-                _generate(llm, prompts * 2, long)
-            took = time.monotonic() - killed_at[0]
+            assert _generate(llm, prompts * 2, long) == expected
             killer.join()
-            assert took < 10, f"the dead stage was reported after {took:.1f} s"
-            assert f"stage {victim} (actor raypp_worker_{victim}_0) died" in str(err.value)
+            assert killed_at, "generation finished before the kill"
             assert not old.check_health()
             with pytest.raises(StageDiedError):  # the old executor stays down, fails fast
                 old.submit(_prefill_step(10_000, [1, 2], first_block=0))
             assert _wait_gone(pids, within_s=10) == []  # no stage process left behind
-            # the engine replaced the stages with a fresh direct plane
-            assert _generate(llm, prompts) == _hf_greedy(tiny_llama, prompts, MAX_NEW)
             assert llm.engine.executor.control_plane == "direct"
             assert llm.engine.restarts == round_ + 1 and llm.is_healthy()
 

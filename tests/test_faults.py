@@ -29,24 +29,22 @@ def _check_serves_correctly(llm: LLM, model_dir, prompts) -> None:
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, 8)
 
 
-def test_killed_stage_raises_fast_then_engine_recovers(ray_cluster, tiny_llama):
+def test_killed_stage_loses_no_request(ray_cluster, tiny_llama):
+    """A stage killed mid-batch, each stage in turn: the batch completes exactly as it
+    does without the kill (every request re-queued, none failed), on replaced workers."""
     with LLM(str(tiny_llama), pipeline_parallel_size=3, max_restarts=10,
              max_model_len=256) as llm:
-        prompts = corpus_prompts(llm.get_tokenizer(), [4, 9, 15])
         batch = [{"prompt_token_ids": p} for p in corpus_prompts(llm.get_tokenizer(), [3] * 6)]
-        for round_, pp_rank in enumerate([0, 1, 2, 0, 1]):
+        expected = [o.outputs[0].token_ids for o in llm.generate(batch, LONG, use_tqdm=False)]
+        for round_, pp_rank in enumerate([0, 1, 2]):
             killed_at: list[float] = []
             killer = kill_stage_later(llm, pp_rank, 1.0, killed_at)
-            with pytest.raises(RequestFailedError) as err:
-                llm.generate(batch, LONG, use_tqdm=False)
-            raised_at = time.monotonic()
+            outs = llm.generate(batch, LONG, use_tqdm=False)
             killer.join()
             assert killed_at, "generation finished before the kill"
-            assert raised_at - killed_at[0] < 10, "the failure took too long to surface"
-            assert f"stage {pp_rank} (actor raypp_worker_{pp_rank}_0) died" in str(err.value)
-            assert not llm.is_healthy()
-            _check_serves_correctly(llm, tiny_llama, prompts)
+            assert [o.outputs[0].token_ids for o in outs] == expected
             assert llm.engine.restarts == round_ + 1
+            assert llm.engine.recovery.requeued > 0
             assert llm.is_healthy()
 
 
@@ -97,40 +95,50 @@ def test_exception_in_a_decode_round_with_a_round_ahead(ray_cluster, tiny_llama,
 
 
 @pytest.mark.parametrize("plane", ["cgraph", "direct"])
-def test_stuck_stage_times_out_and_recovers(ray_cluster, tiny_llama, caplog, plane):
-    """The stuck step fails at its timeout, the log shows where each stage waits, and the
-    replaced workers serve correctly."""
+def test_stuck_stage_is_caught_within_the_timeout_and_recovers(ray_cluster, tiny_llama, caplog,
+                                                              plane):
+    """A stage blocked with its progress frozen (a 60 s sleep at step 4) is declared stuck
+    once nothing moved for the 3 s step timeout, the log shows where each stage waits, and
+    the requests complete on replaced workers as they would have without the fault."""
     with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane,
              fault_inject="sleep:1:4:60", step_timeout_s=3) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [5, 7])
-        started = time.monotonic()
-        with caplog.at_level(logging.ERROR), \
-                pytest.raises(RequestFailedError, match="step_timeout") as failure:
-            llm.generate([{"prompt_token_ids": p} for p in prompts], LONG, use_tqdm=False)
-        # one ERROR line: the cause, and the file holding every stage's stacks
-        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and "\n" not in errors[0].getMessage(), errors
-        stacks = Path(re.search(r"every stage's stacks: (\S+\.txt)", str(failure.value))[1])
-        assert stacks.name in errors[0].getMessage()
+        started = time.time()
+        with caplog.at_level(logging.ERROR):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SHORT,
+                                use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 8)
+        # one ERROR line: the cause (the frozen stage and step) and the file holding every
+        # stage's stacks
+        [failure] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        message = failure.getMessage()
+        assert "pipeline failed (step_timeout" in message and "\n" not in message
+        assert "stage 1 (actor raypp_worker_1_0) inside step 4" in message
+        assert "retry" not in message
+        stacks = Path(re.search(r"every stage's stacks: (\S+\.txt)", message)[1])
         stage_1 = stacks.read_text().split("== stacks of stage 1")[1]
         assert "faults.py" in stage_1 and "time.sleep(self.seconds)" in stage_1
-        elapsed = time.monotonic() - started
-        assert elapsed < 5.5, f"{elapsed:.1f} s: the step should fail once, at its 3 s timeout"
-        _check_serves_correctly(llm, tiny_llama, prompts)
+        # a liveness bound, far below the 60 s the stage sleeps: 3 s without progress, seen
+        # by probes a second apart, on a loaded 2-core machine
+        assert failure.created - started < 15, f"{failure.created - started:.1f} s to detect"
         assert llm.engine.restarts == 1
 
 
 def test_exceeding_max_restarts_stops_the_engine(ray_cluster, tiny_llama):
+    """The first kill is survived (no request lost); the second finds the restart budget
+    spent: the requests fail with the engine's clear error, nothing hangs."""
     llm = LLM(str(tiny_llama), pipeline_parallel_size=2, max_restarts=1)
     prompts = corpus_prompts(llm.get_tokenizer(), [3])
+    batch = [{"prompt_token_ids": prompts[0]}] * 4
     try:
-        for attempt in range(2):
-            killed: list[float] = []
-            kill_stage_later(llm, 1, 0.5, killed).join(0)
-            with pytest.raises((RequestFailedError, EngineDeadError)):
-                llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
-            if attempt == 0:
-                _check_serves_correctly(llm, tiny_llama, prompts)
+        killed: list[float] = []
+        kill_stage_later(llm, 1, 0.5, killed).join(0)
+        outs = llm.generate(batch, LONG, use_tqdm=False)
+        assert killed and llm.engine.restarts == 1 and all(o.finished for o in outs)
+        killed.clear()
+        kill_stage_later(llm, 1, 0.5, killed).join(0)
+        with pytest.raises((RequestFailedError, EngineDeadError), match="max_restarts=1"):
+            llm.generate(batch, LONG, use_tqdm=False)
         with pytest.raises(EngineDeadError, match="max_restarts=1"):
             llm.generate("A", SHORT, use_tqdm=False)
         assert not llm.is_healthy()
@@ -175,14 +183,15 @@ def test_failed_replacement_is_retried_then_reported(ray_cluster, tiny_llama, tm
     llm = LLM(str(model), pipeline_parallel_size=2, max_restarts=3)
     prompts = corpus_prompts(llm.get_tokenizer(), [3])
     watcher = _OnReplacementFailure(then=restore)
-    engine_logger = logging.getLogger("raypp.engine.engine")
+    engine_logger = logging.getLogger("raypp.engine.recovery")
     engine_logger.addHandler(watcher)
     try:
         hide()
         kill_stage_later(llm, 1, 0.5, []).join(0)
-        with pytest.raises(RequestFailedError):
-            llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
-        # first replacement fails (no weights; the watcher restores them), the second serves
+        # the first replacement fails (no weights; the watcher restores them), the second
+        # serves: the batch completes
+        outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 4, LONG, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == LONG.max_tokens for o in outs)
         _check_serves_correctly(llm, tiny_llama, prompts)
         assert len(watcher.failures) == 1 and llm.engine.restarts == 2
         assert llm.is_healthy()

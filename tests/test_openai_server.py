@@ -2,7 +2,7 @@
 
 One server (tiny Llama, pp=2, API key on) serves the whole module. References
 are computed with ``LLM.generate`` / ``LLM.chat`` on the same engine before the
-async loop takes it over. The last test kills a stage, so it must stay last.
+async loop takes it over. The last two tests kill stages, so they must stay last.
 """
 
 from __future__ import annotations
@@ -429,12 +429,15 @@ def test_serve_command_line():
     (ErrorKind.STAGE_DIED, "boom", 503),
     (ErrorKind.STEP_TIMEOUT, "boom", 503),
     (ErrorKind.STAGE_ERROR, "stage_died: reads like a death, is not one", 500),
+    (ErrorKind.ENGINE_DEAD, "engine stopped: 3 restarts within 600 s", 503),
+    (ErrorKind.POISON_REQUEST, "poison_request: request 'r' was in flight at 2", 500),
     (None, "step_timeout: reads like a timeout, has no kind", 500),
 ])
 def test_generation_errors_map_by_error_kind_not_message(kind, message, status):
     out = RequestOutput("r", "p", [1], finished=True, error=message, error_kind=kind)
     error = generation_failure(GenerationError(out))
     assert error.status == status
+    assert ("retry" in error.message) == (kind is not None and kind.retryable)
     assert error.type == ("service_unavailable" if status == 503 else "internal_server_error")
 
 
@@ -442,6 +445,58 @@ def test_other_engine_failures_map_by_type():
     assert (generation_failure(EngineDeadError("stopped")).status,
             generation_failure(ValueError("prompt too long")).status,
             generation_failure(RuntimeError("stage_died: text only")).status) == (503, 400, 500)
+
+
+def test_zy_16_streams_survive_two_stage_kills(served):
+    """Kills stages of the shared engine twice (keep it just before the last test): 16
+    greedy streams each see a pause, never an error; every streamed text equals the one
+    the same server streamed without a fault (no token twice, none missing)."""
+    import random
+
+    rng = random.Random(31)
+    prompts = [PROMPTS[i % 4] + " " * (i // 4) for i in range(16)]
+    engine = served.engine.engine
+    chunks: list[list[str]] = []
+
+    async def stream_one(aclient: openai.AsyncOpenAI, i: int) -> str:
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompts[i], stream=True, temperature=0, max_tokens=160,
+            extra_body={"ignore_eos": True})
+        async for c in stream:
+            chunks[i].append(c.choices[0].text)
+        return "".join(chunks[i])
+
+    async def kill_twice() -> None:
+        # at random moments: once every stream is going, again once every stream got text
+        # after the first recovery
+        for kill in range(2):
+            marks = [len(c) for c in chunks]
+            wait_for = rng.randint(2, 30)
+            while not all(len(c) >= min(m + wait_for, 150) for c, m in zip(chunks, marks)):
+                await asyncio.sleep(0.01)
+            namespace = engine.executor.namespace
+            stage = rng.randrange(2)
+            ray.kill(ray.get_actor(f"raypp_worker_{stage}_0", namespace=namespace),
+                     no_restart=True)
+            while engine.restarts < restarts_before + kill + 1:
+                await asyncio.sleep(0.05)
+
+    async def run(with_kills: bool) -> list[str]:
+        chunks[:] = [[] for _ in prompts]
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, timeout=300,
+                                      max_retries=0) as aclient:
+            streams = asyncio.gather(*[stream_one(aclient, i) for i in range(len(prompts))])
+            if not with_kills:
+                return await streams
+            texts, _ = await asyncio.wait_for(asyncio.gather(streams, kill_twice()), 300)
+            return texts
+
+    reference = asyncio.run(run(with_kills=False))
+    restarts_before = engine.restarts
+    assert asyncio.run(run(with_kills=True)) == reference
+    assert engine.restarts == restarts_before + 2
+    _wait_idle(served.engine)
+    assert httpx.get(served.url + "/health", timeout=30).status_code == 200
 
 
 def test_zz_health_turns_503_when_a_stage_dies(served):

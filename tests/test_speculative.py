@@ -242,18 +242,14 @@ def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray
 @pytest.mark.parametrize("plane", ["cgraph", "direct"])
 def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
     """pp=2, every step a verification: stage 0 stalls on step 3 and stage 1 is killed
-    meanwhile. The requests fail naming the dead stage or are retried to transformers'
-    output; nothing hangs; the replaced stages verify drafts again, exactly."""
+    meanwhile. No request is lost: each is re-queued and continues to transformers'
+    output; the replaced stages verify drafts again, exactly."""
     with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane, max_restarts=5,
              speculative_config=NGRAM, fault_inject="sleep:0:3:4") as llm:
         prompts = [[3] * 8, [100] * 12]  # repeated tokens: every decode step drafts
         killer = kill_stage_later(llm, 1, 1.5)
-        try:
-            got = _generate(llm, prompts, GREEDY)
-        except RequestFailedError as e:
-            assert all("stage 1" in m and "died" in m for m in e.errors.values()), e.errors
-        else:
-            assert [o.outputs[0].token_ids for o in got] == hf_greedy(tiny_llama, prompts, 24)
+        got = _generate(llm, prompts, GREEDY)  # zero-loss recovery: re-queued, exact
+        assert [o.outputs[0].token_ids for o in got] == hf_greedy(tiny_llama, prompts, 24)
         killer.join()
         accepted = llm.engine.stats.spec_accepted_tokens
         again = _generate(llm, prompts, GREEDY)

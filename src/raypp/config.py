@@ -227,6 +227,7 @@ class RuntimeConfig:
     dist_timeout_s: float | None = None
     max_restarts: int | None = None
     restart_window_s: float | None = None
+    max_failures_per_request: int | None = None
     idle_suspend_s: float | None = None
     driver_wait: str | None = None  # "spin" | "poll" | "auto"
     cgraph_buffer_bytes: int | None = None
@@ -244,6 +245,7 @@ class RuntimeConfig:
             "dist_timeout_s": envs.RAYPP_DIST_TIMEOUT_S,
             "max_restarts": int(envs.RAYPP_MAX_RESTARTS),
             "restart_window_s": envs.RAYPP_RESTART_WINDOW_S,
+            "max_failures_per_request": envs.RAYPP_MAX_FAILURES_PER_REQUEST,
             "idle_suspend_s": envs.RAYPP_IDLE_SUSPEND_S,
             "driver_wait": envs.RAYPP_DRIVER_WAIT,
             "cgraph_buffer_bytes": int(envs.RAYPP_CGRAPH_BUFFER_BYTES),
@@ -264,6 +266,9 @@ class RuntimeConfig:
         for name in ("max_restarts", "idle_suspend_s", "fused_decode_max_rows", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.max_failures_per_request, int) and self.max_failures_per_request >= 1):
+            raise ValueError("max_failures_per_request must be an integer >= 1, got "
+                             f"{self.max_failures_per_request!r}")
         self.driver_wait = self.driver_wait.strip().lower()
         _check_choice("driver_wait", self.driver_wait, ("auto", "spin", "poll"))
         if self.fault_inject:

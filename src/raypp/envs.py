@@ -63,7 +63,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "RAYPP_STEP_TIMEOUT_S": (
         _float("RAYPP_STEP_TIMEOUT_S", "60"),
-        "Longest wait for one pipeline step's result before the step counts as hung.",
+        "How long no stage may advance its progress counter (each layer, each block of a "
+        "long attention) while the driver waits for a step before the pipeline counts as "
+        "stuck; a long step that advances is waited for.",
     ),
     "RAYPP_CPU_THREADS": (
         _int("RAYPP_CPU_THREADS", "0"),
@@ -114,6 +116,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "RAYPP_RESTART_WINDOW_S": (
         _float("RAYPP_RESTART_WINDOW_S", "600"),
         "Rolling window, in seconds, over which restarts are counted.",
+    ),
+    "RAYPP_MAX_FAILURES_PER_REQUEST": (
+        _int("RAYPP_MAX_FAILURES_PER_REQUEST", "2"),
+        "Pipeline failures (a stage died or stuck) in a row a request may be in flight at, "
+        "with no token produced between them, before it is failed as their likely cause "
+        "(a poison input); until then it is re-queued and continues where it was. 1: fail "
+        "every request in flight at a failure.",
     ),
     "RAYPP_COMPILE_DECODE": (
         _bool("RAYPP_COMPILE_DECODE", "1"),

@@ -4,8 +4,10 @@
   requests fail; the executor stays usable.
 - :class:`StageDiedError`: a stage actor (or its node, or a channel) is gone. The
   executor can run no more steps: the engine replaces it.
-- :class:`StepTimeoutError`: no result within the step timeout. Treated like a
-  death: the engine replaces the executor.
+- :class:`StepTimeoutError`: no stage made progress for the step timeout (a long
+  step that advances is not one). Treated like a death: the engine replaces the
+  executor. After either, the engine re-queues the requests it had running
+  (:mod:`raypp.engine.recovery`).
 - :class:`EngineDeadError`: the engine stopped (restarts exhausted or shut down).
 
 A request that fails carries an :class:`ErrorKind` on its ``RequestOutput``, so
@@ -21,10 +23,15 @@ class ErrorKind(str, enum.Enum):
     """Why a request finished with an error (``RequestOutput.error_kind``)."""
 
     STAGE_ERROR = "stage_error"  # its micro-batch raised inside a stage; others unaffected
-    STAGE_DIED = "stage_died"  # a stage died with it in flight; the workers are replaced
-    STEP_TIMEOUT = "step_timeout"  # its step hung; the workers are replaced
+    # a stage died / stopped advancing with it in flight, and max_failures_per_request=1
+    # (by default such requests are re-queued instead); the workers are replaced
+    STAGE_DIED = "stage_died"
+    STEP_TIMEOUT = "step_timeout"
     ENGINE_DEAD = "engine_dead"  # the engine stopped (restart budget spent or shut down)
     INVALID_REQUEST = "invalid_request"  # refused after it was queued (its grammar did not compile)
+    # in flight at max_failures_per_request pipeline failures in a row with no token between
+    # them: likely their cause (a poison input), so not re-queued again
+    POISON_REQUEST = "poison_request"
 
     @property
     def retryable(self) -> bool:

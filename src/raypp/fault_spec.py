@@ -2,24 +2,32 @@
 
 Driver-neutral, so :mod:`raypp.config` rejects a malformed spec when the config is made
 and the stage (:mod:`raypp.worker.faults`) acts on the same parse. Forms:
-``raise:<stage>:<step>`` raises inside stage ``<stage>`` at step id ``<step>``;
-``sleep:<stage>:<step>:<seconds>`` stalls it there; ``delay_send:<stage>:<seconds>``
-sleeps after each tensor the stage sends to the next stage.
+
+- ``raise:<stage>:<step>``: stage ``<stage>`` raises at step id ``<step>``;
+- ``sleep:<stage>:<step>:<seconds>``: it blocks there for ``<seconds>`` before the
+  forward, its progress frozen (as a stage stuck in a collective whose peer never comes);
+- ``slow:<stage>:<step>:<seconds>``: it takes ``<seconds>`` longer inside the forward of
+  that step, advancing its progress as it goes (a long step, not a stuck one);
+- ``delay_send:<stage>:<seconds>``: it sleeps after each tensor it sends to the next stage;
+- ``poison:<stage>:<token>``: its process exits at once (as on a crash) whenever a step
+  it runs feeds token id ``<token>``: a request whose prompt holds it kills the stage
+  every time it is computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("raise", "sleep", "delay_send")
+KINDS = ("raise", "sleep", "slow", "delay_send", "poison")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
     kind: str  # one of KINDS
     stage: int  # the pipeline stage it targets
-    step: int = -1  # the step id it fires at (-1: every send, for delay_send)
+    step: int = -1  # the step id it fires at (-1: any step, for delay_send and poison)
     seconds: float = 0.0
+    token: int = -1  # poison only: the token id that kills the stage
 
     @classmethod
     def parse(cls, spec: str) -> FaultSpec:
@@ -31,9 +39,14 @@ class FaultSpec:
                 raise ValueError
             if kind == "delay_send":
                 return cls(kind, int(parts[1]), -1, float(parts[2]))
+            if kind == "poison":
+                return cls(kind, int(parts[1]), token=int(parts[2]))
+            if kind in ("sleep", "slow") and len(parts) != 4:
+                raise ValueError
             return cls(kind, int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) > 3 else 0.0)
         except (ValueError, IndexError):
             raise ValueError(
                 f"fault_inject={spec!r} is malformed: expected 'raise:<stage>:<step>', "
-                "'sleep:<stage>:<step>:<seconds>' or 'delay_send:<stage>:<seconds>'"
+                "'sleep:<stage>:<step>:<seconds>', 'slow:<stage>:<step>:<seconds>', "
+                "'delay_send:<stage>:<seconds>' or 'poison:<stage>:<token>'"
             ) from None

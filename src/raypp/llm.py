@@ -125,8 +125,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until every request finished. A stage exception fails only its
-        requests (raised at the end); a dead or stuck stage raises at once."""
+        """Step until every request finished. A failed request (a stage exception, a
+        poison request) fails alone, raised at the end; a stopped engine raises at once."""
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
@@ -137,7 +137,7 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
-                        if out.error and out.error_kind is not ErrorKind.STAGE_ERROR:
+                        if out.error and out.error_kind is ErrorKind.ENGINE_DEAD:
                             raise self._failure(request_ids, finished)
         except BaseException:
             for request_id in wanted - set(finished):

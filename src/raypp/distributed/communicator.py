@@ -279,6 +279,15 @@ class GroupCoordinator:
         for tensor in payload:
             self.send(tensor, dst)
 
+    def wait_for_message(self, src: int, keep_waiting: Callable[[], bool]) -> None:
+        """Wait until ``src`` starts sending, for as long as ``keep_waiting()`` is true: a
+        peer on this host's shared-memory pipes (:meth:`LocalPipes.wait_message`). Across
+        hosts (gloo) it returns at once, and the receive that follows waits at most the
+        group's timeout."""
+        pipes = self.device_communicator.pipes
+        if pipes is not None and pipes.reaches(src):
+            pipes.wait_message(src, keep_waiting)
+
     def recv_tensor_dict(self, src: int) -> dict[str, Any]:
         metadata = self.recv_object(src)
         out: dict[str, Any] = {}

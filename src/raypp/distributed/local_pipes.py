@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -239,14 +241,40 @@ class LocalPipes:
     def _accept(self, src: int) -> socket.socket:
         with self._accept_lock:
             while src not in self._in:
-                try:
-                    conn, _ = self._listener.accept()
-                except OSError as e:  # includes timeout
-                    raise RuntimeError(f"rank {src} never connected its local pipe: {e}") from e
-                conn.settimeout(self.timeout_s)
-                (peer,) = struct.unpack("<q", _recv_exactly(conn, 8, -1))
-                self._in[peer] = conn
+                self._accept_one(src)
         return self._in[src]
+
+    def _accept_one(self, src: int) -> None:
+        """Accept the next peer's connection (waiting for ``src``'s, up to ``timeout_s``)."""
+        try:
+            conn, _ = self._listener.accept()
+        except OSError as e:  # includes timeout
+            raise RuntimeError(f"rank {src} never connected its local pipe: {e}") from e
+        conn.settimeout(self.timeout_s)
+        (peer,) = struct.unpack("<q", _recv_exactly(conn, 8, -1))
+        self._in[peer] = conn
+
+    def wait_message(self, src: int, keep_waiting: Callable[[], bool]) -> None:
+        """Return once ``src`` has a message for :meth:`recv_into` or :meth:`recv_bytes`
+        (or closed its pipe: the receive then fails at once). Waits in slices of at most a
+        second for as long as ``keep_waiting()`` is true, so a sender that takes long to
+        send (a long step upstream) is waited for, however long; ``RuntimeError`` once
+        ``keep_waiting()`` is false. Whoever calls it bounds the wait: a dead sender on this
+        host closes its socket, and the engine replaces a stuck one."""
+        slice_s = min(1.0, self.timeout_s)
+        while True:
+            sock = self._in.get(src)
+            ready, _, _ = select.select([sock if sock is not None else self._listener], [], [],
+                                        slice_s)
+            if ready and sock is not None:
+                return
+            if ready:
+                with self._accept_lock:
+                    if src not in self._in:
+                        self._accept_one(src)
+                continue
+            if not keep_waiting():
+                raise RuntimeError(f"stopped waiting for a message from rank {src}")
 
     def close(self) -> None:
         for ring in [*self._out_rings.values(), *self._in_rings.values()]:

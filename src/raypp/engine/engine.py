@@ -28,6 +28,7 @@ from raypp.engine import detokenizer
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.occupancy import OccupancyMonitor
 from raypp.engine.output_processor import OutputProcessor, request_output
+from raypp.engine.recovery import Recovery
 from raypp.engine.request_checks import check_max_tokens, check_prompt
 from raypp.engine.scheduler import MicroBatch, Scheduler
 from raypp.engine.sequence import Request, Sequence
@@ -41,7 +42,6 @@ from raypp.errors import (
     StageDiedError,
     StageError,
     StepTimeoutError,
-    first_line,
 )
 from raypp.executor.base import make_executor
 from raypp.outputs import RequestOutput
@@ -74,10 +74,6 @@ class LLMEngine:
             except BaseException:
                 self.executor.shutdown()
                 raise
-        self._restarts: deque[float] = deque()  # times of recent executor replacements
-        self._needs_restart = False
-        self._restart_error = ""
-        self._dead: str | None = None
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
                                    config.speculative_config, config.model.hidden_size)
@@ -96,6 +92,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.model.seed)
         self.stats = EngineStats()
+        self.recovery = Recovery(self)  # failed pipelines: requeue, restart, poison
         # Start-up objects (tokenizer, Ray, torch) live for the whole run: keep them out
         # of the cyclic GC's full passes, which otherwise cost milliseconds per step.
         gc.collect()
@@ -162,9 +159,8 @@ class LLMEngine:
             if not future.done():
                 self._compiling.append((request, future))
             elif future.exception() is not None:
-                self._fail_request(request, f"{future.exception()}", ErrorKind.INVALID_REQUEST)
-                failed.append(request_output(request))
-                del self.requests[request.request_id]
+                failed.append(self._fail_request(request, f"{future.exception()}",
+                                                 ErrorKind.INVALID_REQUEST))
             else:
                 for seq in request.seqs:
                     seq.grammar = self.structured.grammar(future.result())
@@ -240,21 +236,24 @@ class LLMEngine:
 
         A failed step does not raise: its requests come back finished with
         ``error`` set. An exception inside a stage fails only that micro-batch. A
-        dead or stuck stage fails every in-flight micro-batch, re-queues the other
-        running sequences (they recompute), and the executor is replaced before the
-        next step. Raises :class:`EngineDeadError` once restarts are exhausted.
+        dead or stuck stage loses no request: every running one is re-queued and
+        continues where it was on new workers (:mod:`raypp.engine.recovery`; one that
+        was in flight at ``max_failures_per_request`` failures in a row fails as their
+        likely cause). Raises :class:`EngineDeadError` once restarts are exhausted.
         """
-        if self._dead:
-            raise EngineDeadError(self._dead)
+        recovery = self.recovery
+        if recovery.dead:
+            raise EngineDeadError(recovery.dead)
         started = time.perf_counter()
-        if self._needs_restart and not self._restart():
+        if recovery.needs_restart and not recovery.restart():
             return []
+        recovery.release()
         if self._compiling and (rejected := self._admit_compiled()):
             return rejected
         try:
             self._fill_pipeline()
         except (StageDiedError, StepTimeoutError) as e:
-            return self._on_executor_failure(e)
+            return self.recovery.on_failure(e)
         if not self._inflight:
             return []
         item = self._inflight.popleft()
@@ -262,7 +261,7 @@ class LLMEngine:
             self._continue_round(item)
         except (StageDiedError, StepTimeoutError) as e:
             self._inflight.appendleft(item)
-            return self._on_executor_failure(e)
+            return self.recovery.on_failure(e)
         waited = time.perf_counter()
         try:
             result: StepOutput = self.executor.result(item.handle)
@@ -271,7 +270,7 @@ class LLMEngine:
             return self._fail_batch(item.batch, f"{e}", ErrorKind.STAGE_ERROR)
         except (StageDiedError, StepTimeoutError) as e:
             self._inflight.appendleft(item)
-            return self._on_executor_failure(e)
+            return self.recovery.on_failure(e)
         got = time.perf_counter()
         seqs, text_pending = self.output_processor.append_results(item.batch, result)
         failure = None
@@ -281,7 +280,7 @@ class LLMEngine:
             failure = e
         outputs = self.output_processor.finish_text(seqs, text_pending)
         if failure is not None:
-            outputs += self._on_executor_failure(failure)
+            outputs += self.recovery.on_failure(failure)
         stats = self.stats
         stats.steps += 1
         stats.tokens_processed += item.step.num_tokens * item.step.num_steps
@@ -329,74 +328,21 @@ class LLMEngine:
                     ) -> list[RequestOutput]:
         """Finish every request with a sequence in ``batch`` with an error."""
         self.scheduler.complete(batch, ok=False)
-        failed: dict[str, Request] = {}
-        for item in batch.seqs:
-            request = self.requests.get(item.seq.request_id)
-            if request is not None:
-                failed[request.request_id] = request
-        outputs = []
-        for request in failed.values():
-            self._fail_request(request, f"{kind.value}: {message}", kind)
-            outputs.append(request_output(request))
-            del self.requests[request.request_id]
-        return outputs
+        failed = {item.seq.request_id: self.requests.get(item.seq.request_id)
+                  for item in batch.seqs}
+        return [self._fail_request(request, f"{kind.value}: {message}", kind)
+                for request in failed.values() if request is not None]
 
-    def _fail_request(self, request: Request, error: str, kind: ErrorKind) -> None:
+    def _fail_request(self, request: Request, error: str, kind: ErrorKind) -> RequestOutput:
+        """Finish ``request`` with ``error`` and forget it; its final output."""
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish("error")
             self.scheduler.finish(seq)
         request.error, request.error_kind = error, kind
-
-    def _on_executor_failure(self, error: Exception) -> list[RequestOutput]:
-        kind = (ErrorKind.STAGE_DIED if isinstance(error, StageDiedError)
-                else ErrorKind.STEP_TIMEOUT)
-        logger.error("pipeline failed (%s): %s; replacing the stage workers", kind.value, error)
-        # the in-flight handles outlive the shutdown: a compiled graph's result reference
-        # dropped while its graph is still up tries to release a closed channel
-        failed = list(self._inflight)
-        self._inflight.clear()
-        self.executor.shutdown()
-        outputs: list[RequestOutput] = []
-        for item in failed:
-            outputs.extend(self._fail_batch(item.batch, str(error), kind))
-        for seq in list(self.scheduler.running):  # their KV cache dies with the workers
-            self.scheduler.requeue(seq)
-        self._needs_restart = True
-        return outputs
-
-    def _restart(self) -> bool:
-        """Replace the stage workers; False if that failed (the next step tries again).
-
-        Every attempt, failed or not, counts against ``max_restarts``.
-        """
-        now = time.monotonic()
-        rc = self.config.runtime
-        window = rc.restart_window_s
-        while self._restarts and now - self._restarts[0] > window:
-            self._restarts.popleft()
-        if len(self._restarts) >= rc.max_restarts:
-            self._dead = (f"engine stopped: {len(self._restarts)} restarts within {window:g} s "
-                          f"(max_restarts={rc.max_restarts})"
-                          + (f"; last: {self._restart_error}" if self._restart_error else ""))
-            self._fail_all(self._dead)
-            raise EngineDeadError(self._dead)
-        self._restarts.append(now)
-        try:
-            self.executor = make_executor(self.config)
-        except Exception as e:  # noqa: BLE001 - reported, and retried within max_restarts
-            self._restart_error = f"replacing the stage workers failed: {first_line(e)}"
-            logger.error("%s", self._restart_error)
-            return False
-        self._restart_error = ""
-        # the new workers' caches are empty: forget every cached prefix (no block is in
-        # use: failed requests were finished and the running ones requeued)
-        self.block_manager = self.scheduler.blocks = self._new_block_manager()
-        self.step_builder.reset()  # nor do they hold any block table
-        self.occupancy.reset()
-        self._needs_restart = False
-        logger.info("stage workers replaced (%d restart(s) in window)", len(self._restarts))
-        return True
+        self.requests.pop(request.request_id, None)
+        self.recovery.quarantine.forget(request.request_id)
+        return request_output(request)
 
     def _new_block_manager(self) -> BlockManager:
         cache = self.config.cache
@@ -411,11 +357,10 @@ class LLMEngine:
     def _fail_all(self, message: str) -> None:
         for request in list(self.requests.values()):
             self._fail_request(request, message, ErrorKind.ENGINE_DEAD)
-        self.requests.clear()
 
     @property
     def restarts(self) -> int:
-        return len(self._restarts)
+        return len(self.recovery.restarts)
 
     # -- lifecycle -------------------------------------------------------------------------
     def repair(self) -> bool:
@@ -423,23 +368,25 @@ class LLMEngine:
         so an idle engine heals before traffic returns (a load balancer that reads
         ``/health`` would otherwise never send the request that heals it). Counts
         against ``max_restarts``. True if the engine is healthy afterwards."""
-        if self._dead or self.requests:
+        recovery = self.recovery
+        if recovery.dead or self.requests:
             return False
-        if not self._needs_restart:
+        if not recovery.needs_restart:
             if self.executor.check_health():
                 return True
-            self._on_executor_failure(StageDiedError("a stage died while the engine was idle"))
+            recovery.on_failure(StageDiedError("a stage died while the engine was idle"))
         try:
-            return self._restart()
+            return recovery.restart()
         except EngineDeadError:
             return False
 
     def is_healthy(self) -> bool:
         """False while stages are dead or being replaced, and once the engine stopped."""
-        return not self._dead and not self._needs_restart and self.executor.check_health()
+        recovery = self.recovery
+        return not recovery.dead and not recovery.needs_restart and self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent); later steps raise :class:`EngineDeadError`."""
-        self._dead = self._dead or "engine was shut down"
+        self.recovery.dead = self.recovery.dead or "engine was shut down"
         self.structured.close()
         self.executor.shutdown()

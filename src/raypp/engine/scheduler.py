@@ -276,6 +276,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def readmit(self, seq: Sequence) -> None:
+        """Put a sequence taken out with :meth:`finish` but not finished (a request held
+        back after a pipeline failure: :mod:`raypp.engine.recovery`) at the front of the
+        queue; it recomputes."""
+        seq.num_inflight_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     # -- results --------------------------------------------------------------------------
     def complete(self, batch: MicroBatch, ok: bool = True,
                  sampled: list[list[int]] | None = None) -> None:

@@ -133,8 +133,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per stage worker on CPU (default: "
                              "RAYPP_CPU_THREADS, else the host's cores over the workers)")
     parser.add_argument("--step-timeout-s", type=float, default=None, metavar="SECONDS",
-                        help="longest wait for one pipeline step before it counts as hung "
-                             "(default: RAYPP_STEP_TIMEOUT_S, 60)")
+                        help="how long no stage may advance while a step runs before the "
+                             "pipeline counts as stuck; long steps that advance are waited "
+                             "for (default: RAYPP_STEP_TIMEOUT_S, 60)")
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4}\' (default: off)')

@@ -32,6 +32,7 @@ import ray
 
 from raypp.config import EngineConfig
 from raypp.errors import StageDiedError, StepTimeoutError
+from raypp.executor.liveness import ProgressWatch
 from raypp.executor.stage_pool import StagePool
 from raypp.step import StepInput, StepOutput
 
@@ -55,9 +56,11 @@ class Executor(abc.ABC):
     ``result(handle, timeout)`` returns that step's :class:`StepOutput`, raises
     :class:`~raypp.errors.StageError` (naming the stage) if the step failed there,
     :class:`~raypp.errors.StageDiedError` promptly when a stage died, or
-    :class:`~raypp.errors.StepTimeoutError` after ``timeout`` (default
-    ``config.runtime.step_timeout_s``) seconds without a result. After either of the
-    last two the executor is *broken*: it runs no more steps and the engine replaces it.
+    :class:`~raypp.errors.StepTimeoutError` once no stage has made progress for
+    ``timeout`` (default ``config.runtime.step_timeout_s``) seconds
+    (:mod:`raypp.executor.liveness`: a step that takes long but advances is waited
+    for). After either of the last two the executor is *broken*: it runs no more steps
+    and the engine replaces it.
     """
 
     control_plane: ClassVar[str]
@@ -183,9 +186,9 @@ class Executor(abc.ABC):
             f"{'; '.join(dead) or cause} ({self.control_plane} control plane, namespace "
             f"{self.namespace})"))
 
-    def _no_result(self, timeout: float) -> StageDiedError | StepTimeoutError:
-        """No result within ``timeout``: a dead stage if Ray confirms one, else a stuck one
-        (whose thread stacks are written to a file the error names)."""
+    def _no_result(self, watch: ProgressWatch) -> StageDiedError | StepTimeoutError:
+        """No progress for the watch's timeout: a dead stage if Ray confirms one, else a
+        stuck one (whose thread stacks are written to a file the error names)."""
         dead = self.pool.dead_stages()
         if dead:
             return self._died("; ".join(dead))
@@ -194,9 +197,9 @@ class Executor(abc.ABC):
         except OSError as e:
             stacks = f"; stacks not written: {e}"
         return self._broken_by(StepTimeoutError(
-            f"no step result within {timeout:g} s although every stage answers "
-            f"(step_timeout_s / RAYPP_STEP_TIMEOUT_S): a stage is stuck ({self.control_plane} "
-            f"control plane, namespace {self.namespace}){stacks}"))
+            f"a stage is stuck: {watch.describe()} (limit: step_timeout_s / "
+            f"RAYPP_STEP_TIMEOUT_S = {watch.timeout_s:g} s; {self.control_plane} control "
+            f"plane, namespace {self.namespace}){stacks}"))
 
     def _check_not_broken(self) -> None:
         if self._broken is not None:

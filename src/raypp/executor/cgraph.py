@@ -28,6 +28,7 @@ from raypp.config import EngineConfig
 from raypp.distributed.ray_communicator import RayPPCommunicator
 from raypp.errors import StageDiedError, StageError, StepTimeoutError, first_line
 from raypp.executor.base import Executor
+from raypp.executor.liveness import ProgressWatch
 from raypp.executor.ray_logs import quiet_ray_logs
 from raypp.step import StepInput, StepOutput
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 2.0  # liveness ping period: a ping costs an idle stage ~1-2 % CPU
 _TEARDOWN_TIMEOUT_S = 10  # Ray's default (30 s) would hold up replacing dead stages
+_SPIN_SLICE_S = 0.1  # driver_wait="spin": how long one slice of a result wait spins
 
 
 class CompiledGraphExecutor(Executor):
@@ -48,9 +50,9 @@ class CompiledGraphExecutor(Executor):
         self._inflight = 0  # steps submitted whose result was not read yet
         self._last_active = time.monotonic()
         self._stop = threading.Event()
-        # a zero-timeout read of one shared-memory channel takes the whole value or nothing
-        tp = config.parallel.tensor_parallel_size
-        self._poll_results = config.runtime.driver_wait == "poll" and tp == 1
+        # the graph has one output channel, and a zero-timeout read of one shared-memory
+        # channel takes the whole value or nothing
+        self._poll_results = config.runtime.driver_wait == "poll"
         quiet_ray_logs()  # the idle teardowns' INFO lines, errors about workers raypp killed
         super().__init__(config)
 
@@ -62,7 +64,7 @@ class CompiledGraphExecutor(Executor):
 
     # -- the graph ---------------------------------------------------------------------
     def _compile(self) -> None:
-        from ray.dag import DAGContext, InputNode, MultiOutputNode
+        from ray.dag import DAGContext, InputNode
 
         ctx = DAGContext.get_current()  # driver-side waits: results, teardown
         ctx.get_timeout = max(1, round(self.step_timeout_s))
@@ -75,8 +77,10 @@ class CompiledGraphExecutor(Executor):
                 if pp_rank < self.pp_size - 1 and transports[0] is not None:
                     nodes = [node.with_tensor_transport(transport=transports[t])
                              for t, node in enumerate(nodes)]
-            # every TP rank of the last stage samples identically; the graph returns all
-            out = nodes[0] if self.tp_size == 1 else MultiOutputNode(nodes)
+            # every TP rank of the last stage samples identically; rank 0 returns its
+            # output once all have theirs, so the graph has one output channel (a wait in
+            # slices reads it whole or not at all: :meth:`_wait`)
+            out = nodes[0] if self.tp_size == 1 else self.workers[-1][0].first_output.bind(*nodes)
         self._compiled_once = True
         self.dag = out.experimental_compile(
             _max_inflight_executions=self.config.executor_depth,
@@ -136,51 +140,53 @@ class CompiledGraphExecutor(Executor):
                 return self.dag.execute(step)
             except Exception as e:
                 self._inflight -= 1
-                raise self._classify(e, self.step_timeout_s) from e
+                raise self._classify(e, self.pool.watch(self.step_timeout_s)) from e
 
     def result(self, handle: Any, timeout: float | None = None) -> StepOutput:
-        timeout = self.step_timeout_s if timeout is None else timeout
+        watch = self.pool.watch(self.step_timeout_s if timeout is None else timeout)
         try:
-            if self._poll_results:
-                self._wait_without_spinning(handle, timeout)
-            out = ray.get(handle, timeout=timeout)
-            return out[0] if isinstance(out, list) else out  # TP ranks agree; take rank 0
+            self._wait(handle, watch)
+            return ray.get(handle, timeout=watch.timeout_s)  # in the driver's buffer by now
         except Exception as e:
-            raise self._classify(e, timeout) from e
+            raise self._classify(e, watch) from e
         finally:
             with self._lock:
                 self._inflight -= 1
                 self._last_active = time.monotonic()
 
-    def _wait_without_spinning(self, handle: Any, timeout: float) -> None:
-        """Sleep-poll until the step's result is in the driver's buffer, or raise
-        ``RayChannelTimeoutError`` after ``timeout`` seconds.
+    def _wait(self, ref: Any, watch: ProgressWatch) -> None:
+        """Return once ``ref``'s result is in the driver's buffer; raise
+        ``RayChannelTimeoutError`` once ``watch`` finds the stages stalled.
 
-        ``ray.get`` on a compiled-graph result spins on its channel: on a 2-core
-        CPU box the driver then takes most of a core from the stages computing
-        the very result it waits for (measured: 0.8–1.0 cores). Polling with
-        ``timeout=0`` and sleeps of 50 µs to 1 ms costs at most that much latency.
+        The wait runs in slices; between them the watch may read the stages' progress
+        (:mod:`raypp.executor.liveness`), so a long step that advances is waited for.
+        With ``driver_wait="poll"`` a slice is a zero-timeout read followed by a sleep of
+        50 µs to 1 ms: ``ray.get`` on a compiled-graph result spins on its channel, and on a
+        2-core CPU box the driver then takes most of a core from the stages computing the
+        very result it waits for (measured: 0.8–1.0 cores); the sleeps cost at most that
+        much latency. Otherwise a slice spins for up to ``_SPIN_SLICE_S``.
         """
-        deadline = time.monotonic() + timeout
         pause = 5e-5
         while True:
             try:
-                self.dag._execute_until(handle._execution_index, handle._channel_index, 0)
+                self.dag._execute_until(ref._execution_index, ref._channel_index,
+                                        0 if self._poll_results else _SPIN_SLICE_S)
                 return
             except RayChannelTimeoutError:
-                if time.monotonic() > deadline:
+                if watch.stalled():
                     raise
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+                if self._poll_results:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-3)
 
-    def _classify(self, e: Exception, timeout: float) -> Exception:
+    def _classify(self, e: Exception, watch: ProgressWatch) -> Exception:
         if isinstance(e, StageError):  # RayTaskError re-raised as the stage's own error
             cause = getattr(e, "cause", None)
             return StageError(str(cause) if cause is not None else first_line(e))
         if isinstance(e, (StageDiedError, StepTimeoutError)):
             return e
         if isinstance(e, (RayChannelTimeoutError, GetTimeoutError, TimeoutError)):
-            return self._no_result(timeout)
+            return self._no_result(watch)
         return self._died(f"the compiled graph broke: {type(e).__name__}: {first_line(e)}")
 
     # -- idle suspend and liveness ---------------------------------------------------------

@@ -15,7 +15,8 @@ A stage whose actor dies, or whose loop breaks (e.g. the PP group lost a peer),
 makes :meth:`DirectExecutor.result` raise
 :class:`~raypp.errors.StageDiedError` within seconds: the driver waits on its
 result queue in short slices and pings the stage actors whenever a slice passes
-without a result.
+without a result; it reads their progress too, and gives up on a step only once
+no stage has advanced for the step timeout (:mod:`raypp.executor.liveness`).
 """
 
 from __future__ import annotations
@@ -138,19 +139,17 @@ class DirectExecutor(Executor):
     def result(self, handle: int, timeout: float | None = None) -> StepOutput:
         if handle not in self._pending:
             raise ValueError(f"step {handle} was not submitted or its result was taken")
-        timeout = self.step_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        watch = self.pool.watch(self.step_timeout_s if timeout is None else timeout)
         while handle not in self._done:
             self._check_not_broken()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._no_result(timeout)
             with self._lock:
-                msg = self._recv(min(remaining, SLICE_S))
-            if msg is None:
-                self._raise_if_stage_died()
-            else:
+                msg = self._recv(min(watch.interval_s, SLICE_S))
+            if msg is not None:
                 self._on_message(msg)
+                continue
+            self._raise_if_stage_died()
+            if watch.stalled():
+                raise self._no_result(watch)
         self._pending.discard(handle)
         kind, value = self._done.pop(handle)
         if kind == "err":

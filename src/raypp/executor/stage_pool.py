@@ -26,6 +26,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypp.config import EngineConfig
 from raypp.errors import first_line
+from raypp.executor.liveness import ProgressWatch
+from raypp.worker.progress import StageProgress
 from raypp.worker.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -284,6 +286,25 @@ class StagePool:
             except Exception:  # noqa: BLE001 - the cluster going away is not a stage death
                 continue
         return dead
+
+    def progress(self, timeout: float) -> list[StageProgress | None]:
+        """Every worker's :class:`~raypp.worker.progress.StageProgress`, in rank order;
+        ``None`` for one that did not answer within ``timeout`` seconds (or is gone)."""
+        refs = [w.progress.remote() for w in self.all_workers]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: list[StageProgress | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=0) if ref in done else None)
+            except Exception:  # noqa: BLE001 - a dead stage is dead_stages()' to report
+                out.append(None)
+        return out
+
+    def watch(self, timeout_s: float) -> ProgressWatch:
+        """A :class:`~raypp.executor.liveness.ProgressWatch` over these workers, for one
+        wait for a step result."""
+        names = [self.name(i) for i in range(len(self.all_workers))]
+        return ProgressWatch(self.progress, names, timeout_s)
 
     def call_all(self, method: str, timeout: float, *args: Any) -> list[Any]:
         """``method(*args)`` on every worker, in rank order (raises on any failure)."""

@@ -16,6 +16,7 @@ device in ``forward``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,11 @@ from torch import nn
 from raypp.model.layers import RotaryEmbedding
 
 BACKENDS = ("torch", "triton")
+# The most attention scores (heads x queries x keys) one SDPA call of the torch backend
+# computes: a long prompt's chunk attends in blocks of queries under this, each block a
+# unit of progress, so the work between two progress ticks (and the score memory) stays
+# bounded at any context length.
+SCORES_PER_BLOCK = 2**26
 
 
 def attention_backend(device: torch.device) -> str:
@@ -40,7 +46,9 @@ class AttentionMetadata:
     CUDA-graph padding row); sequence j owns query tokens
     ``query_start[j]:query_start[j+1]`` and has ``seq_lens[j]`` tokens in context
     (those cached earlier plus this step's). Decode-only steps on a graph read the
-    tensors alone (their Python lists may be empty).
+    tensors alone (their Python lists may be empty). ``on_progress``, when set, is
+    called once per layer and per block of a long attention (the stage's progress
+    counter: :mod:`raypp.worker.progress`).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -49,6 +57,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     decode_only: bool
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64
+    on_progress: Callable[[], None] | None = None
+
+    def advance(self) -> None:
+        """Report one unit of work done (no-op without ``on_progress``)."""
+        if self.on_progress is not None:
+            self.on_progress()
 
 
 class PagedAttention(nn.Module):
@@ -85,6 +99,7 @@ class PagedAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
+        meta.advance()
         if self.backend == "triton" and meta.decode_only:
             from raypp.kernels.decode_attention import rope_decode_attention_op
 
@@ -163,8 +178,25 @@ class PagedAttention(nn.Module):
             table = meta.block_tables[j, :num_blocks]
             keys = key_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             values = value_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            outs.append(self._causal(q[start:end], keys, values, seq_len))
+            outs.extend(self._blocks(q[start:end], keys, values, seq_len, meta))
         return torch.cat(outs, dim=0)
+
+    def _blocks(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                seq_len: int, meta: AttentionMetadata) -> list[torch.Tensor]:
+        """Attention of one sequence's queries, in blocks of at most
+        :data:`SCORES_PER_BLOCK` scores; progress is reported after each block."""
+        # q: [q_len, heads, dim], the last q_len positions of a seq_len context
+        q_len = q.shape[0]
+        rows = max(1, SCORES_PER_BLOCK // (self.num_heads * seq_len))
+        if rows >= q_len:
+            return [self._causal(q, keys, values, seq_len)]
+        outs = []
+        for a in range(0, q_len, rows):
+            b = min(q_len, a + rows)
+            end = seq_len - q_len + b  # the block's context: up to its last query
+            outs.append(self._causal(q[a:b], keys[:end], values[:end], end))
+            meta.advance()
+        return outs
 
     def _causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 seq_len: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ of the step as it came (lean); the last stage returns a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,15 @@ class ModelRunner:
     other step runs the eager forward. Holds the last decode round's sampled tokens
     on the device, for a round that ``continues`` it (asynchronous scheduling), and
     this stage's copy of every running sequence's block table (``block_tables``).
+    ``on_progress`` is called as the eager forward advances (each layer, each block of a
+    long attention): the stage's progress counter (:mod:`raypp.worker.progress`).
     """
 
     def __init__(self, model: StageModel, kv_caches: list[torch.Tensor],
-                 graphs: DecodeGraphs | None, device: torch.device, block_size: int):
+                 graphs: DecodeGraphs | None, device: torch.device, block_size: int,
+                 on_progress: Callable[[], None] | None = None):
         self.model = model
+        self.on_progress = on_progress
         self.kv_caches = kv_caches
         self.graphs = graphs
         self.device = device
@@ -81,7 +86,7 @@ class ModelRunner:
     def _eager_forward(self, step: ResolvedStep, handoff: StageHandoff | None):
         dev = self.device
         positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
-        meta = attention_metadata(step, dev)
+        meta = attention_metadata(step, dev, self.on_progress)
         if self.model.stage.is_first:
             ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
             return self.model(positions, meta, self.kv_caches, input_ids=ids)
@@ -135,6 +140,7 @@ class ModelRunner:
         else:
             inputs = DecodeInputs.from_step(step, self.device)
             meta = inputs.metadata()
+            meta.on_progress = self.on_progress
 
             def forward() -> torch.Tensor:
                 hidden, _ = self.model(inputs.positions, meta, self.kv_caches,
@@ -164,8 +170,10 @@ def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[in
         torch.index_select(last, 0, index, out=input_ids)
 
 
-def attention_metadata(step: ResolvedStep, device: torch.device) -> AttentionMetadata:
-    """The attention metadata of an eager forward over ``step``."""
+def attention_metadata(step: ResolvedStep, device: torch.device,
+                       on_progress: Callable[[], None] | None = None) -> AttentionMetadata:
+    """The attention metadata of an eager forward over ``step`` (``on_progress``: see
+    :class:`~raypp.model.attention.AttentionMetadata`)."""
     width = max(len(t) for t in step.block_tables)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables],
                           dtype=torch.int64, device=device)
@@ -177,4 +185,5 @@ def attention_metadata(step: ResolvedStep, device: torch.device) -> AttentionMet
         block_tables=tables,
         decode_only=all(q == 1 for q in query_lens),
         seq_lens_tensor=torch.tensor(step.seq_lens, dtype=torch.int64, device=device),
+        on_progress=on_progress,
     )

@@ -102,10 +102,23 @@ class StageLoop:
                     self._put(self._work, _STOP)
                     return
                 pp = self.pp
-                received = None if pp.is_first_rank else pp.recv_tensor_dict(pp.prev_rank)
+                received = None
+                if not pp.is_first_rank:  # the previous stage may compute long: wait for it
+                    self._wait_for_previous_stage()
+                    received = pp.recv_tensor_dict(pp.prev_rank)
                 self._put(self._work, (msg, received))
         finally:
             steps.close()
+
+    def _wait_for_previous_stage(self) -> None:
+        """Until the previous stage sends, however long its step (the driver's progress
+        watch bounds a stuck one); :class:`_Stopped` once the loop stops."""
+        try:
+            self.pp.wait_for_message(self.pp.prev_rank, lambda: not self.stop.is_set())
+        except RuntimeError:
+            if self.stop.is_set():
+                raise _Stopped from None
+            raise
 
     def _compute(self) -> None:
         while (item := self._get(self._work)) is not _STOP:

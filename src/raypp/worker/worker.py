@@ -38,6 +38,7 @@ from raypp.worker.faults import FaultInjector
 from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
 from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
+from raypp.worker.progress import StageProgress, StepProgress
 
 if TYPE_CHECKING:
     from raypp.model.gguf_cache import GGUFMetadata
@@ -76,6 +77,7 @@ class StageWorker:
         self.timeline: list[tuple[int, float, float]] = []
         self.occupancy = StageOccupancy(self.pp_rank)
         self._fault = FaultInjector.for_stage(config.runtime.fault_inject, pp_rank)
+        self._progress = StepProgress()
         self._direct_loop: Any = None
 
     # -- set-up ----------------------------------------------------------------------
@@ -186,8 +188,9 @@ class StageWorker:
                 hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
                 compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
             ).capture()
+        tick = self._advance if self._fault.in_forward else self._progress.tick
         self.runner = ModelRunner(self.model, kv_caches, graphs, self.device,
-                                  self.config.cache.block_size)
+                                  self.config.cache.block_size, on_progress=tick)
 
     @property
     def decode_graphs(self) -> Any:
@@ -207,19 +210,27 @@ class StageWorker:
         handoff = payload if isinstance(payload, StageHandoff) else None
         step = payload.step if handoff is not None else payload
         started = time.time()
+        self._progress.begin(step.step_id)
         try:
-            self._fault.before_step(step.step_id)
+            self._fault.before_step(step)
             if self._threads is not None:
                 self._threads.for_step(step.num_tokens)
             out = self.runner.execute(step, handoff)
         except Exception as e:  # noqa: BLE001 - re-raised with the stage named
             raise StageError(f"stage {self.pp_rank} (tp rank {self.tp_rank}) failed at step "
                              f"{step.step_id}: {type(e).__name__}: {e}") from e
+        finally:
+            self._progress.end()
         ended = time.time()
         self.occupancy.record(step.submitted_at, started, ended, step.num_tokens * step.num_steps)
         if step.trace:
             self.timeline.append((self.pp_rank, started, ended))
         return out
+
+    def first_output(self, *outputs: StepOutput) -> StepOutput:
+        """The compiled graph's output with TP: the last stage's TP ranks sample alike, and
+        this (on its rank 0) returns rank 0's output once every rank has one."""
+        return outputs[0]
 
     # -- the direct control plane ------------------------------------------------------
     def start_direct_loop(self, spec: Any) -> int:
@@ -265,8 +276,18 @@ class StageWorker:
         """This stage's traced PP send/recv intervals since the last call (``trace_comm``)."""
         return drain_comm_trace()
 
+    def _advance(self) -> None:
+        """The forward's progress tick when a fault acts inside the forward (test-only)."""
+        self._progress.tick()
+        self._fault.on_progress(self._progress)
+
     def ping(self) -> int:
         return os.getpid()
+
+    def progress(self) -> StageProgress:
+        """How far this stage's compute has come; answered while a step runs (on another
+        thread of the actor), without waiting for it (:mod:`raypp.worker.progress`)."""
+        return self._progress.snapshot()
 
     def stacks(self) -> str:
         """Every thread's Python stack in this stage (what a stuck step is waiting on)."""

@@ -35,9 +35,11 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 def generation_failure(e: Exception) -> APIError:
     """The error for a request the engine did not complete.
 
-    503 while the engine cannot serve (stopped, or its workers are being replaced:
-    a retryable :class:`~raypp.errors.ErrorKind`), 400 for a request the engine
-    itself rejected (``ValueError``, or ``ErrorKind.INVALID_REQUEST``), 500 for anything else.
+    503 while the engine cannot serve: its workers are being replaced (a retryable
+    :class:`~raypp.errors.ErrorKind`, whose message says to retry) or it stopped (no
+    retry will succeed: the message says so by not suggesting one); 400 for a request
+    the engine itself rejected (``ValueError``, or ``ErrorKind.INVALID_REQUEST``); 500
+    for anything else (a poison request among them).
     """
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable")
@@ -47,6 +49,8 @@ def generation_failure(e: Exception) -> APIError:
         kind = e.output.error_kind
         if kind is ErrorKind.INVALID_REQUEST:
             return APIError(400, str(e))
+        if kind is ErrorKind.ENGINE_DEAD:
+            return APIError(503, str(e), "service_unavailable")
         if kind is not None and kind.retryable:
             return APIError(503, f"pipeline unavailable, retry: {e}", "service_unavailable")
     return APIError(500, f"generation failed: {e}", "internal_server_error")
