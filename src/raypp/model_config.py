@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from raypp.model.quantization.config import (
+    QuantConfig,
+    UnsupportedQuantizationError,
+    resolve_quant_config,
+)
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -33,14 +39,22 @@ class ModelConfig:
     Raises ``FileNotFoundError`` naming the path when it or its ``config.json`` is
     missing, ``ValueError`` for an unsupported architecture (naming the supported ones),
     GGUF tensor type (naming it), dtype or ``max_model_len``.
+
+    ``quantization``: ``None`` loads the checkpoint as it is (an FP8 checkpoint's own
+    format, :mod:`raypp.model.quantization`); ``"fp8"`` also quantizes a 16/32-bit
+    checkpoint's linear weights to FP8 as they load. ``quant_config`` is the resolved
+    format (``None``: no FP8); a format raypp does not read is
+    :class:`~raypp.model.quantization.config.UnsupportedQuantizationError` naming it.
     """
 
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
     hf_config: dict[str, Any] = field(init=False, repr=False)
     architecture: str = field(init=False)
+    quant_config: QuantConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from raypp.model import gguf
@@ -68,6 +82,11 @@ class ModelConfig:
             self.architecture = resolve_architecture(self.hf_config)
         except ValueError as e:
             raise ValueError(f"model {self.model!r}: {e}") from None
+        if gguf_file is not None and self.quantization is not None:
+            raise UnsupportedQuantizationError(
+                f"quantization={self.quantization!r} applies to safetensors checkpoints; "
+                f"{self.model!r} is GGUF, whose own tensor types are dequantized at load")
+        self.quant_config = resolve_quant_config(self.hf_config, self.quantization)
         _ = self.torch_dtype  # validates dtype
         limit = self.max_position_embeddings
         if self.max_model_len is None:
