@@ -9,11 +9,8 @@ from typing import Any
 
 import torch
 
-from raypp.model.quantization.config import (
-    QuantConfig,
-    UnsupportedQuantizationError,
-    resolve_quant_config,
-)
+from raypp.model.quantization.config import QuantConfig, UnsupportedQuantizationError
+from raypp.model.quantization.resolve import resolve_quant_config
 
 _DTYPES = {
     "float32": torch.float32,

@@ -1,7 +1,5 @@
-"""Which FP8 weight format a checkpoint holds, read once from its config.
-
-:func:`resolve_quant_config` maps a checkpoint's ``quantization_config`` (and the
-``quantization`` engine option) onto a :class:`QuantConfig`:
+"""An FP8 weight format (:class:`QuantConfig`), what every part of loading and the FP8
+layers read; :mod:`raypp.model.quantization.resolve` makes one from a checkpoint's config:
 
 - ``quant_method: "fp8"`` with ``weight_block_size`` — block FP8 (DeepSeek-V3, the Qwen3
   ``*-FP8`` checkpoints): ``weight`` in e4m3, ``weight_scale_inv`` one factor per block;
@@ -19,9 +17,7 @@ Anything else is :class:`UnsupportedQuantizationError` naming the format.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-QUANTIZATION_OPTIONS = ("fp8",)  # values of the engine option ``quantization``
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_SCHEMES = ("dynamic", "static", "none")
 
@@ -78,58 +74,3 @@ class QuantConfig:
         what = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.weights}"
         source = "quantized at load" if self.online else f"{self.method} checkpoint"
         return f"fp8 e4m3 weights {what} ({source}), activations {self.activations}"
-
-
-def resolve_quant_config(hf_config: dict[str, Any], quantization: str | None
-                         ) -> QuantConfig | None:
-    """The weight format to load: the checkpoint's own, or ``quantization="fp8"`` of a
-    16/32-bit checkpoint; ``None`` for a plain checkpoint without the option.
-
-    Raises :class:`UnsupportedQuantizationError` naming the format for any other
-    ``quant_method`` or option value.
-    """
-    if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
-        raise UnsupportedQuantizationError(
-            f"quantization={quantization!r} is not supported; raypp quantizes to "
-            f"{', '.join(map(repr, QUANTIZATION_OPTIONS))} (or reads a checkpoint's own FP8 "
-            "format when the option is left unset)")
-    qc = hf_config.get("quantization_config")
-    if qc is None:
-        if quantization is None:
-            return None
-        return QuantConfig(method="online", weights="channel", activations="dynamic")
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "fp8":
-        return _fp8_method(qc)
-    if method == "compressed-tensors":
-        from raypp.model.quantization.compressed import read_compressed_tensors
-
-        return read_compressed_tensors(qc)
-    raise UnsupportedQuantizationError(
-        f"the checkpoint's quantization format {method or qc!r} (quantization_config."
-        "quant_method) is not supported; raypp reads 'fp8' (block or per-tensor e4m3) and "
-        "'compressed-tensors' FP8 checkpoints, and quantizes 16/32-bit checkpoints with "
-        "quantization='fp8'")
-
-
-def _fp8_method(qc: dict[str, Any]) -> QuantConfig:
-    """``quant_method: "fp8"``: block FP8 (``weight_block_size``) or per-tensor FP8."""
-    fmt = str(qc.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3":
-        raise UnsupportedQuantizationError(f"fp8 checkpoint with fmt={fmt!r}: only e4m3 is "
-                                           "supported")
-    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
-    if scheme not in ("dynamic", "static"):
-        raise UnsupportedQuantizationError(f"fp8 checkpoint with activation_scheme={scheme!r}")
-    ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
-    block = qc.get("weight_block_size")
-    if block is None:
-        return QuantConfig(method="fp8", weights="tensor", activations=scheme,
-                           scale_name="weight_scale", ignore=ignore)
-    if scheme != "dynamic":
-        raise UnsupportedQuantizationError("block fp8 with static activations is not supported")
-    if len(block) != 2 or min(int(b) for b in block) < 1:
-        raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}")
-    return QuantConfig(method="fp8", weights="block", activations="dynamic",
-                       block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv",
-                       ignore=ignore)
