@@ -101,7 +101,8 @@ LAYOUTS = [  # (family, format, options, tp, pp, partition)
     ("tiny_llama", "ct-channel", {}, 2, 2, None),
     ("tiny_qwen3", "ct-tensor", {}, 2, 1, None),  # per-tensor q/k/v scales in one slice
     ("tiny_qwen3_moe", "block", {}, 2, 2, None),
-    ("tiny_mixtral", "ct-block", {"block": (16, 16)}, 2, 1, None),
+    ("tiny_mixtral", "ct-channel", {}, 2, 1, None),
+    ("tiny_llama", "ct-block", {"block": (16, 16)}, 2, 1, None),
 ]
 
 
