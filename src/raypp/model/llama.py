@@ -253,7 +253,8 @@ class LlamaStageModel(StageModel):
             rotary = paged.rotary
             out = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, cache,
                                         slot_mapping, block_tables, seq_lens, attn.num_heads,
-                                        paged.scale, pdl, window=paged.sliding_window)
+                                        paged.scale, pdl, window=paged.sliding_window,
+                                        k_scale=paged.k_scale, v_scale=paged.v_scale)
             out = linear(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
             act, residual = norm_linear(out, residual, layer.post_attention_layernorm,
                                         mlp.gate_up_proj.weight, None, True)
