@@ -2,7 +2,11 @@
 slice a layer asks (block grids cut anywhere, re-quantized where the layer's groups differ),
 the GPU layout (e4m3 weights + row-group scales) loaded on CPU through each layer's own
 loader at TP 2, bad checkpoints and options refused naming what is wrong, and the Triton
-FP8 GEMM under Triton's CPU interpreter (fp32: the interpreter's bf16 dot is not exact).
+FP8 kernels under Triton's CPU interpreter: the GEMM reading e4m3 weights, and the
+attention kernels on an FP8 cache. What the interpreter cannot show: speed, and exact
+rounding (its bf16 dot is not exact, so fp32; its float→e4m3 conversion rounds some values
+near a power of two down a binade, so the kernels are checked against what they stored,
+and the rounding itself on the GPU: tests/test_cuda_fp8.py).
 """
 
 from __future__ import annotations
@@ -243,9 +247,61 @@ print("ok")
 """
 
 
-def test_fp8_gemm_kernel_under_the_triton_interpreter():
+_FP8_KV_INTERPRETED = """
+import torch
+import raypp.kernels.attention as ta
+from raypp.kernels.decode_attention import rope_decode_attention
+from raypp.model.layers import RotaryEmbedding
+torch.manual_seed(0)
+blocks, bs, kvh, heads, dim = 6, 16, 2, 4, 16
+ks, vs = torch.tensor(0.5), torch.tensor(0.25)
+def reference(q, keys, values, scale):
+    g = heads // kvh
+    k = keys.double().repeat_interleave(g, 1); v = values.double().repeat_interleave(g, 1)
+    s = torch.einsum("hd,nhd->hn", q.double(), k) * scale
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+def cached(cache, table, n, scale, which):  # what the cache holds, upcast as torch does
+    return cache[which][table].flatten(0, 1)[:n].float() * scale
+cache = torch.zeros(2, blocks, bs, kvh, dim, dtype=torch.float8_e4m3fn)
+seqs, lens = 2, [21, 40]
+tables = torch.tensor([[3, 1, 0], [2, 5, 4]])
+keys = [torch.randn(n, kvh, dim) * 3 for n in lens]
+values = [torch.randn(n, kvh, dim) for n in lens]
+for j in range(seqs):
+    slots = torch.tensor([int(tables[j, t // bs]) * bs + t % bs for t in range(lens[j])])
+    ta.store_kv(keys[j], values[j], cache[0], cache[1], slots, ks, vs)
+for j in range(seqs):  # stored scaled: x / scale, within e4m3's coarsest error of x
+    k = cached(cache, tables[j], lens[j], ks, 0)
+    assert (k - keys[j]).abs().max() < 0.55 * keys[j].abs().max(), (k - keys[j]).abs().max()
+for splits in (1, 3):
+    q = torch.randn(seqs, heads, dim)
+    out = ta.paged_decode(q, cache[0], cache[1], tables, torch.tensor(lens), dim ** -0.5,
+                          splits=splits, k_scale=ks, v_scale=vs)
+    for j in range(seqs):
+        ref = reference(q[j], cached(cache, tables[j], lens[j], ks, 0),
+                        cached(cache, tables[j], lens[j], vs, 1), dim ** -0.5)
+        assert (out[j].double() - ref).abs().max() < 1e-5
+rot = RotaryEmbedding(dim, 128, 10000.0, None)
+qkv = torch.randn(seqs, (heads + 2 * kvh) * dim)
+pos = torch.tensor(lens)
+slot_new = torch.tensor([int(tables[j, lens[j] // bs]) * bs + lens[j] % bs for j in range(seqs)])
+got = rope_decode_attention(qkv, pos, rot.cos, rot.sin, cache, slot_new, tables,
+                            torch.tensor(lens) + 1, heads, dim ** -0.5, False, splits=2,
+                            k_scale=ks, v_scale=vs)
+qr, _ = rot(pos, qkv[:, : heads * dim].view(seqs, heads, dim), qkv[:, : kvh * dim].view(seqs, kvh, dim))
+for j in range(seqs):  # this step's token attended to as stored, like every cached one
+    n = lens[j] + 1
+    ref = reference(qr[j], cached(cache, tables[j], n, ks, 0), cached(cache, tables[j], n, vs, 1),
+                    dim ** -0.5)
+    assert (got[j].view(heads, dim).double() - ref).abs().max() < 1e-5
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [_INTERPRETED, _FP8_KV_INTERPRETED], ids=["gemm", "fp8-kv"])
+def test_fp8_kernels_under_the_triton_interpreter(script):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -48,7 +48,7 @@ def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_s
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
-    mask = (offs < ROW) & (slot >= 0)
+    mask = offs < tl.where(slot >= 0, ROW, 0)  # a skipped slot masks the whole row
     k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
     if FP8:
