@@ -272,7 +272,7 @@ def _activation_rounding_error(twin, prompts, outs) -> float:
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 layers need compute capability 8.9")
 @pytest.mark.parametrize("fmt", ["block", "ct-channel"])
 @pytest.mark.parametrize("long_prompt", [False, True])
-def test_fp8_engine_bf16_logprobs_within_transformers_error(request, ray_cluster, tmp_path, fmt,
+def test_fp8_engine_bf16_matches_transformers_within_its_error(request, ray_cluster, tmp_path, fmt,
                                                             long_prompt):
     from raypp import LLM, SamplingParams
 
@@ -297,7 +297,7 @@ def test_fp8_engine_bf16_logprobs_within_transformers_error(request, ray_cluster
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_kv_on_cuda(ray_cluster, tiny_llama, dtype):
+def test_fp8_kv_on_cuda_matches_transformers(ray_cluster, tiny_llama, dtype):
     """fp32: transformers with an e4m3-rounding cache (the CPU test's basis: median error
     1e-4, worst 2e-2 where a key lies within fp32 noise of a rounding boundary); bf16: twice the
     KV blocks of a bf16 cache at the same gpu_memory_utilization, and greedy tokens that are
