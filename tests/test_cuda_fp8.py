@@ -72,7 +72,7 @@ def test_fp8_gemm_matches_float64(dtype, tol, group, m, n, k):
 @pytest.mark.skipif(not HOPPER, reason="row-wise torch._scaled_mm needs Hopper")
 @pytest.mark.parametrize("m", [65, 200, 1024])
 def test_scaled_mm_rowwise_matches_float64_on_rounded_activations(m):
-    from raypp.model.quantization.linear import fp8_linear, scaled_mm_rowwise
+    from raypp.model.quantization.linear import Fp8Format, fp8_linear, scaled_mm_rowwise
 
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, 1024, device=DEVICE, generator=gen).bfloat16()
@@ -83,7 +83,8 @@ def test_scaled_mm_rowwise_matches_float64_on_rounded_activations(m):
             @ fp8.dequantize_rows(q, s, None).double().T + bias.double())
     got = scaled_mm_rowwise(x, q, s, bias)
     assert rel(got, want) < 8e-3, rel(got, want)
-    assert torch.equal(fp8_linear(x, q, s, bias, None), got)  # > 64 rows: this path
+    fmt = Fp8Format(None, rowwise_mm=True)
+    assert torch.equal(fp8_linear(x, q, s, bias, fmt), got)  # > 64 rows: this path
 
 
 # -- attention on an FP8 cache --------------------------------------------------------------

@@ -72,7 +72,7 @@ def apply_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) 
     """``x @ module.weight.T + bias``, through the FP8 GEMM when the weight is e4m3."""
     if module.weight_scale is None:
         return F.linear(x, module.weight, bias)
-    return fp8_linear(x, module.weight, module.weight_scale, bias, module.quant.group)
+    return fp8_linear(x, module.weight, module.weight_scale, bias, module.quant)
 
 
 class RMSNorm(nn.Module):

@@ -82,7 +82,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     for e, end in enumerate(offsets.tolist()):
         if end > start:
             out[start:end] = (F.linear(x[start:end], weight[e]) if scale is None else
-                              fp8_linear(x[start:end], weight[e], scale[e], None, quant.group))
+                              fp8_linear(x[start:end], weight[e], scale[e], None, quant))
         start = end
     return out
 

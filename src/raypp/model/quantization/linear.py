@@ -37,9 +37,11 @@ ROWWISE_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
 @dataclass(frozen=True)
 class Fp8Format:
     """The FP8 layout of a layer's weight: ``group`` input columns per scale (``None``:
-    one scale per output row)."""
+    one scale per output row); ``rowwise_mm``: the device runs ``torch._scaled_mm`` with
+    row-wise scales (decided once, at build, so the forward reads no device state)."""
 
     group: int | None = None
+    rowwise_mm: bool = False
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group is None else -(-in_features // self.group)
@@ -53,7 +55,7 @@ def weight_format(quant: QuantConfig | None, device: torch.device) -> Fp8Format 
         return None
     if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         return None
-    return Fp8Format(group=quant.group)
+    return Fp8Format(group=quant.group, rowwise_mm=rowwise_scaled_mm_supported(device))
 
 
 def fp8_weight_params(out_features: int, in_features: int, fmt: Fp8Format,
@@ -72,20 +74,16 @@ def fp8_weight_params(out_features: int, in_features: int, fmt: Fp8Format,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, group: int | None) -> torch.Tensor:
+               bias: torch.Tensor | None, fmt: Fp8Format) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` in ``x``'s dtype."""
     # x: [tokens, K]; weight: [N, K] e4m3; scale: [N, G] fp32
-    if group is None and _scaled_mm_fits(x, weight):
+    n, k = weight.shape
+    if (fmt.rowwise_mm and fmt.group is None and x.dtype == torch.bfloat16
+            and x.shape[0] > SCALED_MM_MIN_ROWS and k % 16 == 0 and n % 16 == 0):
         return scaled_mm_rowwise(x, weight, scale, bias)
     from raypp.kernels.fp8_linear import fp8_gemm_op
 
-    return fp8_gemm_op(x, weight, scale, bias, group or 0)
-
-
-def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    n, k = weight.shape
-    return (x.dtype == torch.bfloat16 and x.shape[0] > SCALED_MM_MIN_ROWS and k % 16 == 0
-            and n % 16 == 0 and rowwise_scaled_mm_supported(x.device))
+    return fp8_gemm_op(x, weight, scale, bias, fmt.group or 0)
 
 
 def rowwise_scaled_mm_supported(device: torch.device) -> bool:
