@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
@@ -17,9 +18,19 @@ def _hf_model(model_dir: str):
     path, kwargs = Path(model_dir), {}
     if path.suffix == ".gguf":
         model_dir, kwargs["gguf_file"] = str(path.parent), path.name
+    elif _quant_method(path) == "compressed-tensors":  # decompressed once, as raypp on CPU
+        kwargs["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
+    # a block-FP8 checkpoint (quant_method "fp8"): transformers dequantizes it without a GPU
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                               **kwargs)
     return model.eval()
+
+
+def _quant_method(path: Path) -> str | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    return (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
 
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,

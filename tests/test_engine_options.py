@@ -74,7 +74,8 @@ def test_an_unknown_option_is_refused_with_its_close_matches(tiny_llama):
                                          r"\(did you mean 'max_num_seqs'"):
         EngineConfig.from_kwargs(str(tiny_llama), max_num_seq=4)
     with pytest.raises(UnknownOptionError, match=r"options: 'kv_cache_memory' \(did you mean "
-                                                 r"'kv_cache_memory_bytes'\?\), 'zzz'$"):
+                                                 r"'kv_cache_memory_bytes' or 'kv_cache_dtype'\?\), "
+                                                 r"'zzz'$"):
         AsyncLLMEngine.from_model(str(tiny_llama), zzz=1, kv_cache_memory=2**20)
     # a TypeError too, like any unknown keyword; refused before the model is looked at
     with pytest.raises(TypeError, match="'pipeline_paralel_size' .*'pipeline_parallel_size'"):

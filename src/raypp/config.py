@@ -90,6 +90,10 @@ class CacheConfig:
     ``enable_prefix_caching`` (default on): full blocks of computed KV stay cached
     after their sequences end, and a prompt that starts with the same tokens reuses
     them instead of recomputing (:mod:`raypp.engine.block_manager`).
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (alias ``"fp8_e4m3"``):
+    keys and values stored in e4m3 with a per-layer scale (the checkpoint's
+    ``k_scale``/``v_scale``, else 1.0), so a block takes one byte per element and the same
+    memory holds ``dtype.itemsize`` times the tokens.
     """
 
     block_size: int = 16
@@ -97,6 +101,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_size, int) and self.block_size >= 1):
@@ -112,6 +117,13 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, "
                              f"got {self.enable_prefix_caching!r}")
+        kv = str(self.kv_cache_dtype).strip().lower()
+        _check_choice("kv_cache_dtype", kv, ("auto", "fp8", "fp8_e4m3"))
+        self.kv_cache_dtype = "fp8" if kv.startswith("fp8") else kv
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The cache's element type: e4m3 for ``"fp8"``, else ``model_dtype``."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
 
 
 @dataclass
@@ -345,10 +357,14 @@ class EngineConfig:
         else an even split, else (layers of different sizes) a split balancing parameter
         bytes (:func:`raypp.model.partition.stage_partition`)."""
         from raypp.model.partition import stage_partition
+        from raypp.model.quantization.linear import Fp8Format
 
         mc, pc = self.model, self.parallel
+        # CUDA workers hold FP8 linears in one byte per weight (CPU: dequantized)
+        fp8 = (Fp8Format(mc.quant_config.group)
+               if mc.quant_config is not None and self.device == "cuda" else None)
         return stage_partition(mc.hf_config, mc.architecture, mc.torch_dtype,
-                               pc.pipeline_parallel_size, pc.layer_partition)
+                               pc.pipeline_parallel_size, pc.layer_partition, fp8)
 
     @property
     def executor_depth(self) -> int:

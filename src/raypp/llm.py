@@ -31,7 +31,9 @@ class LLM:
     ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``enable_prefix_caching``),
     the scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``max_inflight``,
     ``num_decode_steps``, ``async_scheduling``, ``pipelined_prefill``,
-    ``long_prefill_chunk_tokens``, ``balanced_prefill_chunks``), parallelism (``layer_partition``,
+    ``long_prefill_chunk_tokens``, ``balanced_prefill_chunks``), FP8 (``quantization="fp8"``:
+    quantize a 16/32-bit checkpoint as it loads, FP8 checkpoints are read in their own format;
+    ``kv_cache_dtype="fp8"``), parallelism (``layer_partition``,
     ``use_ray_wrapped_pp_comm``, ``placement_strategy``, ``cpu_p2p``) and the runtime
     (``step_timeout_s``, ``enforce_eager``, ``restart_window_s``, …); an option left
     out takes its ``RAYPP_*`` default, and an unknown one raises

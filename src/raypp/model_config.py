@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raypp.model.quantization.config import QuantConfig, UnsupportedQuantizationError
+from raypp.model.quantization.resolve import resolve_quant_config
+
 if TYPE_CHECKING:
     from raypp.model.gguf_cache import GGUFMetadata
     from raypp.model_source import HubModel
@@ -48,6 +51,12 @@ class ModelConfig:
     (for a GGUF file: one beside it), ``"none"`` ignores it, a directory reads its
     ``generation_config.json``.
 
+    ``quantization``: ``None`` loads the checkpoint as it is (an FP8 checkpoint's own
+    format, :mod:`raypp.model.quantization`); ``"fp8"`` also quantizes a 16/32-bit
+    checkpoint's linear weights to FP8 as they load. ``quant_config`` is the resolved
+    format (``None``: no FP8); a format raypp does not read is
+    :class:`~raypp.model.quantization.config.UnsupportedQuantizationError` naming it.
+
     After construction ``model`` is the resolved directory, or the ``.gguf`` file (its
     directory resolved, its name kept: in a Hub snapshot it is a link to a blob),
     ``hub`` where a Hub id came from (:class:`~raypp.model_source.HubModel`: repo, the
@@ -69,6 +78,7 @@ class ModelConfig:
     generation_config: str = "auto"
     cache_dir: str | None = None
     revision: str | None = None
+    quantization: str | None = None
     hub: HubModel | None = field(init=False, repr=False, default=None)
     hf_config: dict[str, Any] = field(init=False, repr=False)
     architecture: str = field(init=False)
@@ -76,6 +86,7 @@ class ModelConfig:
     max_model_len_given: bool = field(init=False, repr=False)
     gguf: GGUFMetadata | None = field(init=False, repr=False, default=None)
     sampling_defaults: dict[str, Any] = field(init=False, repr=False)
+    quant_config: QuantConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from raypp.model import gguf
@@ -107,6 +118,11 @@ class ModelConfig:
             self.architecture = resolve_architecture(self.hf_config)
         except ValueError as e:
             raise ValueError(f"model {self.model!r}: {e}") from None
+        if gguf_file is not None and self.quantization is not None:
+            raise UnsupportedQuantizationError(
+                f"quantization={self.quantization!r} applies to safetensors checkpoints; "
+                f"{self.model!r} is GGUF, whose own tensor types are dequantized at load")
+        self.quant_config = resolve_quant_config(self.hf_config, self.quantization)
         _ = self.torch_dtype  # validates dtype
         limit = self.max_position_embeddings
         self.max_model_len_given = self.max_model_len is not None

@@ -136,6 +136,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how long no stage may advance while a step runs before the "
                              "pipeline counts as stuck; long steps that advance are waited "
                              "for (default: RAYPP_STEP_TIMEOUT_S, 60)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                        help="fp8: quantize a 16/32-bit checkpoint's linear weights to FP8 "
+                             "as they load (default: load the checkpoint as it is; FP8 "
+                             "checkpoints are read in their own format)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                        help="KV cache element type: auto (the model's dtype) or fp8 (e4m3 "
+                             "with per-layer scales: twice the tokens of 16-bit)")
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4}\' (default: off)')
@@ -195,6 +202,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_threads": args.cpu_threads,
         "speculative_config": args.speculative_config,
         "revision": getattr(args, "revision", None),  # add_model_args's
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

@@ -80,27 +80,36 @@ def ensure_ray(address: str | None) -> None:
 def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],
                   tp_size: int) -> list[dict[str, Any]]:
     """Per stage: ``layers`` ``[start, end)``, ``weight_bytes`` (its largest TP rank's
-    parameters) and ``kv_blocks`` (the fewest any of its TP ranks can hold), from the
-    workers' ``load_model`` reports and KV budgets in rank order."""
+    parameters as held), ``checkpoint_bytes`` (the most any of its TP ranks read from the
+    checkpoint: FP8 weights and their scales where the checkpoint is FP8), ``kv_blocks``
+    (the fewest any of its TP ranks can hold) and the ``weight_format``, from the workers'
+    ``load_model`` reports and KV budgets in rank order."""
     out = []
     for start in range(0, len(load_info), tp_size):
         ranks = load_info[start:start + tp_size]
         out.append({"stage": start // tp_size, "layers": tuple(ranks[0]["layers"]),
                     "weight_bytes": max(r["weight_bytes"] for r in ranks),
-                    "kv_blocks": min(kv_blocks[start:start + tp_size])})
+                    "checkpoint_bytes": max(r["bytes_read"] for r in ranks),
+                    "kv_blocks": min(kv_blocks[start:start + tp_size]),
+                    "weight_format": ranks[0].get("weight_format", "16/32-bit")})
     return out
 
 
 def format_stage_table(summary: list[dict[str, Any]], smallest: int) -> str:
-    """The start-up table of :func:`stage_summary`, ending with the engine's KV capacity
-    (the minimum over stages; ``smallest`` names the stage that sets it)."""
-    lines = ["stage  layers          weights/worker  KV blocks"]
+    """The start-up table of :func:`stage_summary`: per stage its layers, the bytes a
+    worker holds and read from the checkpoint (these differ where FP8 weights are held
+    dequantized, or quantized as they load), its KV blocks; then the engine's KV capacity
+    (the minimum over stages; ``smallest`` names the stage that sets it) and the weights'
+    format."""
+    lines = ["stage  layers          weights/worker  checkpoint read  KV blocks"]
     for row in summary:
         a, b = row["layers"]
         lines.append(f"{row['stage']:>5}  {f'{a}-{b - 1} ({b - a})':<14}  "
-                     f"{_bytes(row['weight_bytes']):>14}  {row['kv_blocks']:>9}")
+                     f"{_bytes(row['weight_bytes']):>14}  "
+                     f"{_bytes(row.get('checkpoint_bytes', 0)):>15}  {row['kv_blocks']:>9}")
     lines.append(f"engine KV capacity = min over stages = {summary[smallest]['kv_blocks']} blocks "
                  f"(stage {smallest})")
+    lines.append(f"weights: {summary[0].get('weight_format', '16/32-bit')}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,11 @@ Cache layout per layer (as :class:`raypp.model.attention.PagedAttention`):
   kernel combines the splits. A row with context length 0 gives zeros. With a
   sliding ``window`` a query sees only the last ``window`` tokens of its context
   (positions ``>= seq_len - window``), and the splits cover only that span.
+- An FP8 (e4m3) cache: every kernel takes the layer's ``k_scale``/``v_scale`` (fp32
+  scalars on the device, so graphs replay without a host read): stores write
+  ``x / scale`` saturated and rounded to e4m3, reads upcast ``q · scale`` to the query's
+  dtype before the dot products; the prefill path reads this step's keys as they come back
+  from the cache, so every backend attends to the same rounded keys.
 - :func:`paged_attention` is a layer's step with prefill rows: store, then the
   decode kernel for one-token rows and ``scaled_dot_product_attention`` (flash /
   efficient backends) per multi-token sequence. Decode-only steps take
@@ -37,28 +42,38 @@ _SPLITS_PAD = 32  # combine kernel reads up to this many splits (masked)
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                     stride_k, stride_v, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr,
+                     v_scale_ptr, stride_k, stride_v, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+                     FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
-    mask = (offs < ROW) & (slot >= 0)
+    mask = offs < tl.where(slot >= 0, ROW, 0)  # a skipped slot masks the whole row
     k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
+    if FP8:
+        k = _to_fp8(k, tl.load(k_scale_ptr), key_cache_ptr.dtype.element_ty)
+        v = _to_fp8(v, tl.load(v_scale_ptr), value_cache_ptr.dtype.element_ty)
     tl.store(key_cache_ptr + slot * ROW + offs, k, mask=mask)
     tl.store(value_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, scale, dtype: tl.constexpr):
+    """``x / scale`` saturated to ±448 and rounded to e4m3 (``dtype``)."""
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale, part_tokens, num_splits, window,
+    k_scale_ptr, v_scale_ptr, scale, part_tokens, num_splits, window,
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -77,9 +92,12 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     table = block_tables_ptr + seq * stride_bt
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
     m_i, l_i, acc = _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end,
                                   kv_head, scale, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, DIM_PAD,
-                                  BLOCK_SIZE, BLOCK, IEEE)
+                                  BLOCK_SIZE, BLOCK, IEEE, k_scale, v_scale, FP8)
     _write_split(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, seq, heads,
                  split, num_splits, stride_ot, stride_oh, g_mask, NUM_HEADS, HEAD_DIM, DIM_PAD,
                  SINGLE)
@@ -89,10 +107,11 @@ def _paged_decode_kernel(
 def _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end, kv_head, scale,
                   GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, k_scale, v_scale, FP8: tl.constexpr):
     """Online softmax of ``q`` ([GROUP_PAD, DIM_PAD], one kv head's query heads) over the
     cached tokens ``[start, end)`` of one sequence's block ``table``, read in place:
-    ``(running max, running sum, unnormalized output)`` in fp32."""
+    ``(running max, running sum, unnormalized output)`` in fp32. An FP8 cache is upcast
+    to ``q``'s dtype with ``k_scale``/``v_scale`` as it is read."""
     offs_d = tl.arange(0, DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
@@ -108,6 +127,9 @@ def _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end, kv_head,
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if FP8:  # e4m3 → q's dtype, scaled (one multiply per element read)
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if IEEE:  # noqa: SIM108 - constexpr branch; fp32 models get exact fp32, not tf32
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -198,9 +220,23 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.
     return max(1, min(-(-8 * sm_count(device) // pairs), most, MAX_SPLITS))
 
 
+def fp8_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(the cache is FP8, k_scale, v_scale)``, a scale left ``None`` taken as 1.0."""
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    one = None
+    if fp8 and (k_scale is None or v_scale is None):
+        one = torch.ones((), dtype=torch.float32, device=key_cache.device)
+    k_scale = k_scale if k_scale is not None else (one if fp8 else key_cache)
+    v_scale = v_scale if v_scale is not None else (one if fp8 else key_cache)
+    return fp8, k_scale, v_scale
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``cache[slot_mapping[i]] = k[i], v[i]``; rows whose slot is negative are skipped."""
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """``cache[slot_mapping[i]] = k[i], v[i]``; rows whose slot is negative are skipped
+    (an FP8 cache: through e4m3 with ``k_scale``/``v_scale``, default 1.0)."""
     # k, v: [tokens, kv_heads, dim] (each token's heads contiguous); caches contiguous
     tokens = k.shape[0]
     if tokens == 0:
@@ -208,23 +244,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
     k = k if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] else k.contiguous()
     v = v if v.stride(-1) == 1 and v.stride(-2) == v.shape[-1] else v.contiguous()
     row = k.shape[1] * k.shape[2]
+    fp8, k_scale, v_scale = fp8_scales(key_cache, k_scale, v_scale)
     _store_kv_kernel[(tokens,)](
-        k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+        k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale, k.stride(0), v.stride(0),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), FP8=fp8,
     )
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  splits: int | None = None, launch: DecodeLaunch | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     ``q``: [seqs, heads, dim]; ``block_tables``: [seqs, width] (int32/int64);
     ``seq_lens``: [seqs] context lengths, this step's token included (0: a
     padding row, output zeros). ``window`` (a sliding window): attend only to the
     last ``window`` tokens of the context. Returns [seqs, heads, dim] in q's dtype.
-    ``splits`` and ``launch`` override :func:`num_splits` and the device's tuning table.
+    ``splits`` and ``launch`` override :func:`num_splits` and the device's tuning table;
+    ``k_scale``/``v_scale``: an FP8 cache's scales (default 1.0).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -251,12 +290,13 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         part_sum = torch.empty_like(part_max)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens,
-        out, part_out, part_max, part_sum,
+        out, part_out, part_max, part_sum, *fp8_scales(key_cache, k_scale, v_scale)[1:],
         scale, part_tokens, splits, window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK=launch.block,
         SINGLE=single, IEEE=q.dtype == torch.float32, SLIDING=bool(window),
+        FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if not single:
@@ -273,23 +313,38 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta, scale: float, window: int | None = None) -> torch.Tensor:
+                    meta, scale: float, window: int | None = None,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store this step's k/v, then attend (each query to the last ``window`` tokens up to
-    its own, when a sliding window is given); returns [tokens, heads * dim].
+    its own, when a sliding window is given); returns [tokens, heads * dim]. An FP8 cache
+    stores and reads through e4m3 with ``k_scale``/``v_scale``.
 
     ``meta`` is a :class:`raypp.model.attention.AttentionMetadata`; its Python lists
     drive a per-sequence prefill (not graph-capturable).
     """
     # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    return _mixed(q, k, v, key_cache, value_cache, meta, scale, window).reshape(q.shape[0], -1)
+    fp8, k_scale, v_scale = fp8_scales(key_cache, k_scale, v_scale)
+    store_kv(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+    if fp8:  # attend to the keys and values as the cache holds them
+        k, v = _through_fp8(k, k_scale), _through_fp8(v, v_scale)
+    return _mixed(q, k, v, key_cache, value_cache, meta, scale, window,
+                  (k_scale, v_scale) if fp8 else None).reshape(q.shape[0], -1)
+
+
+def _through_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` as an FP8 cache gives it back (as :func:`_to_fp8`, then ``q · scale``)."""
+    q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
 
 
 def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, meta, scale: float, window: int | None = None
-           ) -> torch.Tensor:
-    """One-token rows through the decode kernel (one launch); longer queries through SDPA."""
+           value_cache: torch.Tensor, meta, scale: float, window: int | None = None,
+           fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One-token rows through the decode kernel (one launch); longer queries through SDPA
+    (``fp8_scales``: the FP8 cache's, to upcast what a later chunk reads from it)."""
+    k_scale, v_scale = fp8_scales or (None, None)
     starts = meta.query_start
     query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     out = torch.empty_like(q)
@@ -300,7 +355,7 @@ def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.T
         out[tokens] = paged_decode(q.index_select(0, tokens), key_cache, value_cache,
                                    meta.block_tables.index_select(0, rows),
                                    meta.seq_lens_tensor.index_select(0, rows), scale,
-                                   window=window)
+                                   window=window, k_scale=k_scale, v_scale=v_scale)
     block_size = key_cache.shape[1]
     for j, n in enumerate(query_lens):
         if n <= 1:
@@ -312,6 +367,9 @@ def _mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.T
             table = meta.block_tables[j, : -(-seq_len // block_size)]
             keys = key_cache[table].flatten(0, 1)[:seq_len]
             values = value_cache[table].flatten(0, 1)[:seq_len]
+            if fp8_scales is not None:
+                keys = (keys.float() * k_scale).to(q.dtype)
+                values = (values.float() * v_scale).to(q.dtype)
         if window:
             out[start:end] = _windowed_sdpa(q[start:end], keys, values, scale, window)
         else:

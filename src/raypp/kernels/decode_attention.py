@@ -9,6 +9,8 @@ head) to finish combines the splits (an arrival counter, no second launch). With
 included, and the splits cover only that span. It is also
 the custom op ``torch.ops.raypp.rope_decode_attention`` that the Triton attention
 backend calls for decode-only steps (``torch.compile`` treats it as one opaque call).
+An FP8 cache (e4m3, with the layer's ``k_scale``/``v_scale``) stores this step's k/v
+rounded, and the step attends to its own k/v as rounded, as to every cached token.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from raypp.kernels.attention import _attend_pages, _pad, _write_split, attended_span, num_splits
+from raypp.kernels.attention import (
+    _attend_pages,
+    _pad,
+    _to_fp8,
+    _write_split,
+    attended_span,
+    fp8_scales,
+    num_splits,
+)
 from raypp.kernels.counters import split_counters
 from raypp.kernels.tuning import decode_launch, pdl_supported
 
@@ -26,12 +36,13 @@ from raypp.kernels.tuning import decode_launch, pdl_supported
 def _rope_decode_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    counter_ptr, scale, part_tokens, num_splits, window, stride_qkv, stride_rope, stride_bt,
+    counter_ptr, k_scale_ptr, v_scale_ptr, scale, part_tokens, num_splits, window, stride_qkv,
+    stride_rope, stride_bt,
     stride_ot, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
     SPLITS_P2: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr, SINGLE: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, SLIDING: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, SLIDING: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -49,7 +60,7 @@ def _rope_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     pos = tl.load(pos_ptr + seq).to(tl.int64)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    dtype = key_cache_ptr.dtype.element_ty
+    dtype = qkv_ptr.dtype.element_ty  # the model's (an FP8 cache's own type is e4m3)
     cos = tl.load(cos_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_rope + offs_d, mask=d_mask, other=0.0)
     cos = cos.to(dtype).to(tl.float32)  # the tables in the model dtype, as the unfused path
@@ -78,9 +89,19 @@ def _rope_decode_kernel(
     v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kv_head * HEAD_DIM + offs_d,
                     mask=d_mask, other=0.0)
     kv_row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:  # store e4m3, and attend to this token as the cache will give it back
+        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        k_store = _to_fp8(k_new, k_scale, key_cache_ptr.dtype.element_ty)
+        v_store = _to_fp8(v_new, v_scale, value_cache_ptr.dtype.element_ty)
+        k_new = (k_store.to(tl.float32) * k_scale).to(dtype)
+        v_new = (v_store.to(tl.float32) * v_scale).to(dtype)
+    else:
+        k_store, v_store = k_new, v_new
     if (split == 0) & (slot >= 0):
-        tl.store(key_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, k_new, mask=d_mask)
-        tl.store(value_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, v_new,
+        tl.store(key_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, k_store,
+                 mask=d_mask)
+        tl.store(value_cache_ptr + slot * kv_row + kv_head * HEAD_DIM + offs_d, v_store,
                  mask=d_mask)
 
     # the context cached before this step: [lo, seq_len - 1), this split's part of it
@@ -90,7 +111,7 @@ def _rope_decode_kernel(
     table = block_tables_ptr + seq * stride_bt
     m_i, l_i, acc = _attend_pages(q, key_cache_ptr, value_cache_ptr, table, start, end,
                                   kv_head, scale, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, DIM_PAD,
-                                  BLOCK_SIZE, BLOCK, IEEE)
+                                  BLOCK_SIZE, BLOCK, IEEE, k_scale, v_scale, FP8)
     # this step's token, in the split whose range holds its index
     if (seq_len > 0) & (split == (cached - lo) // part_tokens):
         s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
@@ -158,13 +179,14 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
                           scale: float, pdl: bool, splits: int | None = None,
-                          window: int | None = None) -> torch.Tensor:
+                          window: int | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's decode step from its qkv projection ``[seqs, (heads + 2 kv_heads) * dim]``:
     neox rotary at ``positions`` (tables ``cos``/``sin`` ``[max_pos, dim]``), k/v written
     at ``slot_mapping`` (negative: skipped), attention over ``seq_lens`` tokens (this
     step's included; 0: a padding row, zeros out), or over the last ``window`` of them
     (a sliding window). Returns ``[seqs, heads * dim]``. ``splits`` overrides
-    :func:`num_splits`'s choice."""
+    :func:`num_splits`'s choice; ``k_scale``/``v_scale``: an FP8 cache's (default 1.0)."""
     seqs = qkv.shape[0]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -185,9 +207,11 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         part_max = torch.empty(seqs * num_heads * splits, dtype=torch.float32, device=qkv.device)
         part_sum = torch.empty_like(part_max)
         counters = split_counters(qkv.device, seqs * num_kv_heads)
+    fp8, k_scale, v_scale = fp8_scales(key_cache, k_scale, v_scale)
     _rope_decode_kernel[(seqs, num_kv_heads, splits)](
         qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-        out, part_out, part_max, part_sum, counters, scale, part_tokens, splits, window or 0,
+        out, part_out, part_max, part_sum, counters, k_scale, v_scale, scale, part_tokens, splits,
+        window or 0,
         qkv.stride(0), cos.stride(0), block_tables.stride(0), out.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pad(group),
         GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -196,7 +220,7 @@ def rope_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         LINES=triton.next_power_of_2(-(-head_dim * key_cache.element_size() // 128)),
         LINE=128 // key_cache.element_size(),
         SINGLE=single,
-        IEEE=qkv.dtype == torch.float32, PDL=pdl, SLIDING=bool(window),
+        IEEE=qkv.dtype == torch.float32, PDL=pdl, SLIDING=bool(window), FP8=fp8,
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl)
     return out
 
@@ -209,14 +233,15 @@ def rope_decode_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos: to
                              sin: torch.Tensor, kv_cache: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, num_heads: int, scale: float,
-                             window: int = 0) -> torch.Tensor:
+                             window: int = 0, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rope_decode_attention` with PDL where the GPU has it (``window`` 0: none)."""
     return rope_decode_attention(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables,
                                  seq_lens, num_heads, scale, pdl_supported(qkv.device),
-                                 window=window or None)
+                                 window=window or None, k_scale=k_scale, v_scale=v_scale)
 
 
 @rope_decode_attention_op.register_fake
 def _(qkv, positions, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, num_heads, scale,
-      window=0):
+      window=0, k_scale=None, v_scale=None):
     return qkv.new_empty((qkv.shape[0], num_heads * kv_cache.shape[-1]))

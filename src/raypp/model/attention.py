@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raypp.model.layers import RotaryEmbedding
+from raypp.model.quantization.fp8 import FP8_DTYPE, from_fp8, to_fp8
 
 BACKENDS = ("torch", "triton")
 # The most attention scores (heads x queries x keys) one SDPA call of the torch backend
@@ -68,8 +69,11 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """(q/k norm,) rotary, KV store and attention of one layer, from its qkv projection.
 
-    Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-    ``forward`` returns ``[tokens, num_heads * head_dim]``.
+    Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, in the
+    model's dtype or in FP8 (e4m3, ``kv_cache_dtype="fp8"``): then keys are stored as
+    ``k / k_scale`` and read back as ``q · k_scale`` in the model's dtype (values alike with
+    ``v_scale``); the scales are this layer's ``k_scale``/``v_scale`` buffers, 1.0 unless the
+    checkpoint gives them. ``forward`` returns ``[tokens, num_heads * head_dim]``.
 
     Options a family may set: ``scale`` (default ``head_dim ** -0.5``);
     ``sliding_window``: a query attends only to the last ``sliding_window`` positions up
@@ -95,6 +99,9 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.q_norm, self.k_norm = q_norm, k_norm
+        # an FP8 cache's per-layer scales (the loader fills them from k_scale/v_scale)
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -108,7 +115,7 @@ class PagedAttention(nn.Module):
             return rope_decode_attention_op(
                 qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens_tensor, self.num_heads, self.scale,
-                self.sliding_window or 0)
+                self.sliding_window or 0, self.k_scale, self.v_scale)
         q, k, v = self.split_heads(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -116,7 +123,8 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             from raypp.kernels.attention import paged_attention
 
-            return paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            return paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                                   self.k_scale, self.v_scale)
         return self._torch_attention(q, k, v, kv_cache, meta)
 
     def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -140,13 +148,27 @@ class PagedAttention(nn.Module):
         # q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] → out: [tokens, heads * dim]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         block_size = key_cache.shape[1]
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        self._store(key_cache, k, self.k_scale, meta.slot_mapping)
+        self._store(value_cache, v, self.v_scale, meta.slot_mapping)
         if meta.decode_only:
             out = self._decode(q, key_cache, value_cache, meta, block_size)
         else:
             out = self._varlen(q, key_cache, value_cache, meta, block_size)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _store(self, cache: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        """``cache[slots] = x``, through e4m3 with ``scale`` when the cache is FP8."""
+        rows = cache.view(-1, self.num_kv_heads, self.head_dim)
+        if cache.dtype == FP8_DTYPE:  # CPU has no FP8 index_copy_: the same bytes as uint8
+            rows.view(torch.uint8).index_copy_(0, slots, to_fp8(x, scale).view(torch.uint8))
+        else:
+            rows.index_copy_(0, slots, x)
+
+    @staticmethod
+    def _read(cached: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached keys or values in ``dtype`` (an FP8 cache's upcast: ``q · scale``)."""
+        return from_fp8(cached, scale, dtype) if cached.dtype == FP8_DTYPE else cached
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -155,6 +177,8 @@ class PagedAttention(nn.Module):
         length = max_blocks * block_size
         keys = key_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
         values = value_cache[meta.block_tables].view(num_seqs, length, self.num_kv_heads, -1)
+        keys = self._read(keys, self.k_scale, q.dtype)
+        values = self._read(values, self.v_scale, q.dtype)
         pos = torch.arange(length, device=q.device)[None, :]
         mask = pos < meta.seq_lens_tensor[:, None]
         if self.sliding_window is not None:
@@ -178,6 +202,8 @@ class PagedAttention(nn.Module):
             table = meta.block_tables[j, :num_blocks]
             keys = key_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             values = value_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            keys = self._read(keys, self.k_scale, q.dtype)
+            values = self._read(values, self.v_scale, q.dtype)
             outs.extend(self._blocks(q[start:end], keys, values, seq_len, meta))
         return torch.cat(outs, dim=0)
 

@@ -35,6 +35,7 @@ from raypp.model.layers import (
     VocabParallelEmbedding,
     _param,
 )
+from raypp.model.quantization.linear import Fp8Format
 
 
 def gemma3_layer_types(cfg: dict) -> list[str]:
@@ -82,10 +83,12 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype: torch.dtype,
+                 quant: Fp8Format | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp, dtype,
+                                                       quant)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -94,15 +97,16 @@ class GemmaMLP(nn.Module):
 
 class Gemma3Attention(nn.Module):
     def __init__(self, cfg: dict, rotary: RotaryEmbedding, sliding_window: int | None,
-                 tp: TPContext, dtype: torch.dtype, backend: str):
+                 tp: TPContext, dtype: torch.dtype, backend: str, quant: Fp8Format | None = None):
         super().__init__()
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
         bias = bool(cfg.get("attention_bias", False))
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias, tp, dtype)
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias, tp, dtype,
+                                          quant)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias, tp, dtype, quant)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -119,11 +123,11 @@ class Gemma3Attention(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: dict, rotary: RotaryEmbedding, sliding_window: int | None,
-                 tp: TPContext, dtype: torch.dtype, backend: str):
+                 tp: TPContext, dtype: torch.dtype, backend: str, quant: Fp8Format | None = None):
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = Gemma3Attention(cfg, rotary, sliding_window, tp, dtype, backend)
-        self.mlp = GemmaMLP(hidden, cfg["intermediate_size"], tp, dtype)
+        self.self_attn = Gemma3Attention(cfg, rotary, sliding_window, tp, dtype, backend, quant)
+        self.mlp = GemmaMLP(hidden, cfg["intermediate_size"], tp, dtype, quant)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
@@ -158,7 +162,7 @@ class Gemma3StageModel(StageModel):
                       "self_attn.k_norm": "self_attn.attn.k_norm"}
 
     def __init__(self, cfg: dict, stage: StageSpec, tp: TPContext, dtype: torch.dtype,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", quant: Fp8Format | None = None):
         super().__init__()
         for name in ("attn_logit_softcapping",):
             if cfg.get(name) is not None:
@@ -191,7 +195,7 @@ class Gemma3StageModel(StageModel):
                 rotaries[kind] = RotaryEmbedding(
                     head_dim, cfg.get("max_position_embeddings", 131_072), theta, scaling)
             layers[str(i)] = Gemma3DecoderLayer(cfg, rotaries[kind], layer_window(window, types, i),
-                                                tp, dtype, attention_backend)
+                                                tp, dtype, attention_backend, quant)
         self.model.layers = nn.ModuleDict(layers)
         if stage.is_last:
             self.model.norm = GemmaRMSNorm(hidden, eps, dtype)

@@ -6,6 +6,12 @@ TP slicing (and fused q/k/v, gate/up) lives in the layer, not in the loader.
 ``loaded`` is anything with ``shape`` and ``narrow(dim, start, length)``: a
 tensor, or the loader's lazy view that reads only the narrowed range from disk.
 Layers get their TP group passed in; none reads topology from globals.
+
+A linear layer built with an FP8 format (``quant``, a GPU that computes in FP8) holds an
+e4m3 weight and its ``weight_scale`` (:mod:`raypp.model.quantization.linear`), both loaded
+by the same loader; without one (CPU, or a 16/32-bit model) it holds the model's dtype,
+FP8 checkpoints dequantized as they load. Linear weights are marked ``quantizable``:
+the loader quantizes exactly these when a 16/32-bit checkpoint is loaded as FP8.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raypp.model.quantization.linear import Fp8Format, fp8_linear, fp8_weight_params
 
 
 @dataclass
@@ -43,6 +51,28 @@ def _param(*shape: int, dtype: torch.dtype, loader: Any = _default_loader) -> nn
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     return p
+
+
+def linear_weight(module: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
+                  quant: Fp8Format | None, loader: Any, lead: tuple[int, ...] = (),
+                  name: str = "weight") -> None:
+    """Give ``module`` its linear weight ``name`` ``[*lead, out, in]``: in ``dtype``, or
+    (``quant``) in e4m3 with ``<name>_scale`` beside it; either way ``quantizable``."""
+    if quant is None:
+        weight = _param(*lead, out_features, in_features, dtype=dtype, loader=loader)
+        setattr(module, f"{name}_scale", None)
+    else:
+        weight, scale = fp8_weight_params(out_features, in_features, quant, loader, lead)
+        setattr(module, f"{name}_scale", scale)
+    weight.quantizable = True
+    setattr(module, name, weight)
+
+
+def apply_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ module.weight.T + bias``, through the FP8 GEMM when the weight is e4m3."""
+    if module.weight_scale is None:
+        return F.linear(x, module.weight, bias)
+    return fp8_linear(x, module.weight, module.weight_scale, bias, module.quant)
 
 
 class RMSNorm(nn.Module):
@@ -118,12 +148,12 @@ class ColumnParallelLinear(nn.Module):
     """``y = x Wᵀ + b`` with W's output rows split over TP ranks (no gather)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant: Fp8Format | None = None):
         super().__init__()
         assert out_features % tp.size == 0, (out_features, tp.size)
-        self.tp = tp
+        self.tp, self.quant = tp, quant
         self.out_per_rank = out_features // tp.size
-        self.weight = _param(self.out_per_rank, in_features, dtype=dtype, loader=self._load)
+        linear_weight(self, self.out_per_rank, in_features, dtype, quant, self._load)
         self.bias = _param(self.out_per_rank, dtype=dtype, loader=self._load) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
@@ -131,15 +161,15 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused (gate and up)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext,
-                 dtype: torch.dtype):
-        super().__init__(in_features, sum(out_sizes), bias, tp, dtype)
+                 dtype: torch.dtype, quant: Fp8Format | None = None):
+        super().__init__(in_features, sum(out_sizes), bias, tp, dtype, quant)
         self.sizes = [s // tp.size for s in out_sizes]
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
@@ -152,7 +182,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; kv heads are replicated when fewer than TP ranks."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, tp: TPContext, dtype: torch.dtype):
+                 bias: bool, tp: TPContext, dtype: torch.dtype, quant: Fp8Format | None = None):
         if num_heads % tp.size:
             raise ValueError(f"num_attention_heads={num_heads} is not divisible by tp={tp.size}")
         if num_kv_heads >= tp.size and num_kv_heads % tp.size:
@@ -164,7 +194,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
-        super().__init__(hidden, out, bias, tp, dtype)
+        super().__init__(hidden, out, bias, tp, dtype, quant)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         q_size = self.num_heads * self.head_dim
@@ -181,19 +211,19 @@ class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_shard W_shardᵀ) + b`` with W's input columns split over TP."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant: Fp8Format | None = None):
         super().__init__()
         assert in_features % tp.size == 0, (in_features, tp.size)
-        self.tp = tp
+        self.tp, self.quant = tp, quant
         self.in_per_rank = in_features // tp.size
-        self.weight = _param(out_features, self.in_per_rank, dtype=dtype, loader=self._load)
+        linear_weight(self, out_features, self.in_per_rank, dtype, quant, self._load)
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(apply_linear(x, self, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -32,6 +32,7 @@ from raypp.model.layers import (
     TPContext,
     VocabParallelEmbedding,
 )
+from raypp.model.quantization.linear import Fp8Format
 
 FUSED_DECODE_MAX_ROWS = 64  # raypp.kernels.linear.GEMM_MAX_ROWS (not imported: Triton)
 
@@ -43,7 +44,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: dict, tp: TPContext, dtype: torch.dtype, backend: str,
                  sliding_window: int | None = None, qk_norm: bool = False,
-                 mlp: nn.Module | None = None):
+                 mlp: nn.Module | None = None, quant: Fp8Format | None = None):
         super().__init__()
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -53,9 +54,10 @@ class DecoderLayer(nn.Module):
         qwen2 = cfg.get("model_type") == "qwen2"  # Qwen2: bias on q/k/v only
         self.self_attn = Attention(
             cfg, hidden, heads, kv_heads, head_dim, llama_bias or qwen2, llama_bias, tp, dtype,
-            backend, sliding_window, qk_norm
+            backend, sliding_window, qk_norm, quant
         )
-        self.mlp = mlp if mlp is not None else MLP(hidden, cfg["intermediate_size"], tp, dtype)
+        self.mlp = mlp if mlp is not None else MLP(hidden, cfg["intermediate_size"], tp, dtype,
+                                                   quant)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
@@ -75,10 +77,12 @@ class DecoderLayer(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: dict, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  qkv_bias: bool, o_bias: bool, tp: TPContext, dtype: torch.dtype, backend: str,
-                 sliding_window: int | None = None, qk_norm: bool = False):
+                 sliding_window: int | None = None, qk_norm: bool = False,
+                 quant: Fp8Format | None = None):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden, o_bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp, dtype,
+                                          quant)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, o_bias, tp, dtype, quant)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -113,10 +117,12 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype: torch.dtype,
+                 quant: Fp8Format | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp, dtype,
+                                                       quant)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -141,10 +147,11 @@ class LlamaStageModel(StageModel):
     }
 
     def __init__(self, cfg: dict, stage: StageSpec, tp: TPContext, dtype: torch.dtype,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", quant: Fp8Format | None = None):
         super().__init__()
         self.cfg = cfg
         self.stage = stage
+        self.quant = quant  # FP8 linears (a GPU computing in FP8), read by make_layer
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
         self.model = nn.Module()
@@ -179,11 +186,14 @@ class LlamaStageModel(StageModel):
 
     def make_layer(self, cfg: dict, index: int, tp: TPContext, dtype: torch.dtype,
                    backend: str) -> DecoderLayer:
-        """Global layer ``index`` of this family (a subclass picks its options)."""
-        return DecoderLayer(cfg, tp, dtype, backend)
+        """Global layer ``index`` of this family (a subclass picks its options; every one
+        passes :attr:`quant` on)."""
+        return DecoderLayer(cfg, tp, dtype, backend, quant=self.quant)
 
     # -- the fused decode chain (CUDA graphs of small decode batches) ----------------------
     def fused_decode_unsupported(self) -> str | None:
+        if self.quant is not None:
+            return "FP8 weights (the chain's GEMV and GEMM read 16-bit weights)"
         for layer in self.model.layers.values():
             attn = layer.self_attn
             if attn.qkv_proj.tp.size != 1:
@@ -243,7 +253,8 @@ class LlamaStageModel(StageModel):
             rotary = paged.rotary
             out = rope_decode_attention(qkv, positions, rotary.cos, rotary.sin, cache,
                                         slot_mapping, block_tables, seq_lens, attn.num_heads,
-                                        paged.scale, pdl, window=paged.sliding_window)
+                                        paged.scale, pdl, window=paged.sliding_window,
+                                        k_scale=paged.k_scale, v_scale=paged.v_scale)
             out = linear(out, attn.o_proj.weight, attn.o_proj.bias, False, pdl)
             act, residual = norm_linear(out, residual, layer.post_attention_layernorm,
                                         mlp.gate_up_proj.weight, None, True)

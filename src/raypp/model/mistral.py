@@ -18,4 +18,5 @@ class MistralStageModel(LlamaStageModel):
 
     def make_layer(self, cfg: dict, index: int, tp: TPContext, dtype: torch.dtype,
                    backend: str) -> DecoderLayer:
-        return DecoderLayer(cfg, tp, dtype, backend, sliding_window=cfg.get("sliding_window"))
+        return DecoderLayer(cfg, tp, dtype, backend, sliding_window=cfg.get("sliding_window"),
+                            quant=self.quant)

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypp.model.layers import TPContext, _param
+from raypp.model.layers import TPContext, _param, linear_weight
+from raypp.model.quantization.linear import Fp8Format, fp8_linear
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,20 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[i
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   grouped: bool) -> torch.Tensor:
+                   grouped: bool, scale: torch.Tensor | None = None,
+                   quant: Fp8Format | None = None) -> torch.Tensor:
     """``x[rows of e] @ weight[e]ᵀ`` for every expert ``e``: ``x`` is ``[S, K]`` sorted by
     expert, ``weight`` ``[E, N, K]``, ``offsets[e]`` (int32) the end of expert ``e``'s rows.
-    ``grouped``: one ``grouped_mm`` (no host sync), else one GEMM per expert with rows."""
+    ``grouped``: one ``grouped_mm`` (no host sync), else one GEMM per expert with rows
+    (FP8 experts, ``scale`` ``[E, N, G]``: always, each through the FP8 GEMM)."""
     if grouped:
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = F.linear(x[start:end], weight[e])
+            out[start:end] = (F.linear(x[start:end], weight[e]) if scale is None else
+                              fp8_linear(x[start:end], weight[e], scale[e], None, quant))
         start = end
     return out
 
@@ -88,10 +92,13 @@ class SparseMoeBlock(nn.Module):
 
     Parameters (names as the loader sees them under the layer's ``mlp``):
     ``gate.weight``, ``experts.w13_weight`` ``[E, 2·I/tp, hidden]`` (each expert's gate
-    rows, then its up rows) and ``experts.w2_weight`` ``[E, hidden, I/tp]``.
+    rows, then its up rows) and ``experts.w2_weight`` ``[E, hidden, I/tp]``; FP8 experts
+    (``quant``, a GPU computing in FP8) add ``…_weight_scale`` per expert and run one FP8
+    GEMM per expert (no ``grouped_mm``: such a stage runs without CUDA graphs).
     """
 
-    def __init__(self, hidden: int, spec: MoESpec, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, hidden: int, spec: MoESpec, tp: TPContext, dtype: torch.dtype,
+                 quant: Fp8Format | None = None):
         super().__init__()
         if spec.intermediate_size % tp.size:
             raise ValueError(f"the experts' intermediate size {spec.intermediate_size} is not "
@@ -99,9 +106,10 @@ class SparseMoeBlock(nn.Module):
         self.spec, self.tp = spec, tp
         self.gate = nn.Module()
         self.gate.weight = _param(spec.num_experts, hidden, dtype=dtype)
-        self.experts = StackedExperts(spec.num_experts, hidden, spec.intermediate_size, tp, dtype)
-        self.grouped = grouped_mm_supported(self.gate.weight.device, dtype,
-                                            (hidden, self.experts.per_rank))
+        self.experts = StackedExperts(spec.num_experts, hidden, spec.intermediate_size, tp, dtype,
+                                      quant)
+        self.grouped = quant is None and grouped_mm_supported(
+            self.gate.weight.device, dtype, (hidden, self.experts.per_rank))
 
     def graph_capturable(self) -> bool:
         """True when :meth:`forward` never waits for the host (a CUDA graph may hold it)."""
@@ -125,9 +133,11 @@ class SparseMoeBlock(nn.Module):
         ids = torch.arange(self.spec.num_experts, device=x.device)
         offsets = torch.searchsorted(sorted_experts, ids, right=True).to(torch.int32)
         w = self.experts
-        h = grouped_linear(x[order // k], w.w13_weight, offsets, self.grouped)
+        h = grouped_linear(x[order // k], w.w13_weight, offsets, self.grouped, w.w13_weight_scale,
+                           w.quant)
         gate, up = h.chunk(2, dim=-1)
-        y = grouped_linear(F.silu(gate) * up, w.w2_weight, offsets, self.grouped)
+        y = grouped_linear(F.silu(gate) * up, w.w2_weight, offsets, self.grouped,
+                           w.w2_weight_scale, w.quant)
         y = y * weights.reshape(-1)[order, None]
         unsorted = torch.empty_like(y)
         unsorted[order] = y
@@ -145,14 +155,14 @@ class StackedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPContext,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant: Fp8Format | None = None):
         super().__init__()
-        self.tp, self.intermediate = tp, intermediate
+        self.tp, self.intermediate, self.quant = tp, intermediate, quant
         self.per_rank = intermediate // tp.size
-        self.w13_weight = _param(num_experts, 2 * self.per_rank, hidden, dtype=dtype,
-                                 loader=self._load_w13)
-        self.w2_weight = _param(num_experts, hidden, self.per_rank, dtype=dtype,
-                                loader=self._load_w2)
+        linear_weight(self, 2 * self.per_rank, hidden, dtype, quant, self._load_w13,
+                      (num_experts,), "w13_weight")
+        linear_weight(self, hidden, self.per_rank, dtype, quant, self._load_w2, (num_experts,),
+                      "w2_weight")
 
     def _load_w13(self, param: torch.Tensor, loaded: Any, shard: tuple[int | None, str]) -> None:
         expert, part = shard

@@ -41,10 +41,10 @@ class MoEStageModel(LlamaStageModel):
                    backend: str) -> DecoderLayer:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
-        mlp = (SparseMoeBlock(cfg["hidden_size"], self.moe_spec(cfg), tp, dtype)
+        mlp = (SparseMoeBlock(cfg["hidden_size"], self.moe_spec(cfg), tp, dtype, self.quant)
                if self.sparse_layers(cfg)[index] else None)
         return DecoderLayer(cfg, tp, dtype, backend, sliding_window=self.layer_window(cfg, index),
-                            qk_norm=self.qk_norm, mlp=mlp)
+                            qk_norm=self.qk_norm, mlp=mlp, quant=self.quant)
 
     def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
         """Llama's names, plus the experts (either layout) and Mixtral's router

@@ -25,6 +25,7 @@ import torch
 
 from raypp.model.base import StageSpec
 from raypp.model.layers import TPContext
+from raypp.model.quantization.linear import Fp8Format
 from raypp.model.registry import model_class
 
 
@@ -45,19 +46,21 @@ class WeightLayout:
                 for a, b in bounds]
 
 
-def weight_layout(hf_config: dict, architecture: str, dtype: torch.dtype) -> WeightLayout:
+def weight_layout(hf_config: dict, architecture: str, dtype: torch.dtype,
+                  fp8: Fp8Format | None = None) -> WeightLayout:
     """The :class:`WeightLayout` of a checkpoint's config, from the family's stage model
-    built on the meta device."""
-    return _weight_layout(json.dumps(hf_config, sort_keys=True), architecture, dtype)
+    built on the meta device (``fp8``: with FP8 linear layers)."""
+    return _weight_layout(json.dumps(hf_config, sort_keys=True), architecture, dtype, fp8)
 
 
 @functools.lru_cache(maxsize=8)
-def _weight_layout(config_json: str, architecture: str, dtype: torch.dtype) -> WeightLayout:
+def _weight_layout(config_json: str, architecture: str, dtype: torch.dtype,
+                   fp8: Fp8Format | None) -> WeightLayout:
     cfg = json.loads(config_json)
     n = int(cfg["num_hidden_layers"])
     with torch.device("meta"):
         model = model_class(architecture)(cfg, StageSpec(0, n, True, True), TPContext(), dtype,
-                                          "torch")
+                                          "torch", quant=fp8)
     first, last, layers = 0, 0, [0] * n
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
@@ -136,11 +139,13 @@ def partition_layers(num_layers: int, pp_size: int,
 
 
 def stage_partition(hf_config: dict, architecture: str, dtype: torch.dtype, pp_size: int,
-                    override: list[int] | None = None) -> list[tuple[int, int]]:
-    """``[start, end)`` global layers of each stage, by the rule in the module docstring."""
+                    override: list[int] | None = None,
+                    fp8: Fp8Format | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` global layers of each stage, by the rule in the module docstring
+    (``fp8``: the workers hold FP8 linear layers, one byte per weight)."""
     num_layers = int(hf_config["num_hidden_layers"])
     if override is None and 1 < pp_size <= num_layers:
-        layout = weight_layout(hf_config, architecture, dtype)
+        layout = weight_layout(hf_config, architecture, dtype, fp8)
         if len(set(layout.layers)) > 1:
             override = balance_by_bytes(layout, pp_size)
     return partition_layers(num_layers, pp_size, override)

@@ -35,5 +35,5 @@ class Qwen3StageModel(LlamaStageModel):
     def make_layer(self, cfg: dict, index: int, tp: TPContext, dtype: torch.dtype,
                    backend: str) -> DecoderLayer:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        return DecoderLayer(cfg, tp, dtype, backend, qk_norm=True,
+        return DecoderLayer(cfg, tp, dtype, backend, qk_norm=True, quant=self.quant,
                             sliding_window=layer_window(window, qwen3_layer_types(cfg), index))

@@ -31,6 +31,7 @@ from raypp.model.attention import attention_backend
 from raypp.model.base import StageSpec
 from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
+from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
@@ -107,13 +108,18 @@ class StageWorker:
         tp = TPContext(tp_group.rank_in_group, tp_group.world_size,
                        tp_group if tp_group.world_size > 1 else None)
         torch.manual_seed(mc.seed)
+        fp8 = weight_format(mc.quant_config, self.device)  # None: 16/32-bit (CPU dequantizes)
         with torch.device(self.device):
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
-                                                      attention_backend(self.device))
-        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc))
+                                                      attention_backend(self.device), quant=fp8)
+        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc), mc.quant_config)
         self.model.eval()
+        quant = mc.quant_config
         return {
+            "weight_format": ("16/32-bit" if quant is None else quant.describe()
+                              + ("" if fp8 else "; held dequantized to "
+                                 + str(mc.torch_dtype).replace("torch.", ""))),
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "layers": [self.stage.start, self.stage.end],
@@ -126,7 +132,12 @@ class StageWorker:
     def kv_block_bytes(self) -> int:
         kv_heads, head_dim = self.model.kv_cache_layout()
         per_layer = 2 * self.config.cache.block_size * kv_heads * head_dim
-        return per_layer * self.model.num_layers * self.config.model.torch_dtype.itemsize
+        return per_layer * self.model.num_layers * self.kv_dtype.itemsize
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type (``kv_cache_dtype``)."""
+        return self.config.cache.kv_torch_dtype(self.config.model.torch_dtype)
 
     def kv_budget(self) -> KVBudget:
         """How many KV blocks of this stage's layers fit its memory budget.
@@ -164,7 +175,7 @@ class StageWorker:
         mc, rc = self.config.model, self.config.runtime
         kv_heads, head_dim = self.model.kv_cache_layout()
         shape = (2, num_blocks, self.config.cache.block_size, kv_heads, head_dim)
-        kv_caches = [zeros(shape, mc.torch_dtype, self.device)
+        kv_caches = [zeros(shape, self.kv_dtype, self.device)
                      for _ in range(self.model.num_layers)]
         graphs = None
         uncapturable = (self.model.decode_graphs_unsupported()
