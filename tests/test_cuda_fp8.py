@@ -187,7 +187,7 @@ def test_decode_graphs_over_fp8_layers_match_eager(tiny_llama, tmp_path, fmt, kv
     with torch.device(DEVICE):
         model = LlamaStageModel(mc.hf_config, StageSpec(0, mc.num_layers, True, True),
                                 TPContext(), torch.float32, "triton", quant=fmt_gpu)
-    load_stage_weights(model, mc.model, mc.quant_config)
+    load_stage_weights(model, mc.model, quant=mc.quant_config)
     model.eval()
     assert model.model.layers["0"].mlp.down_proj.weight.dtype == fp8.FP8_DTYPE
     assert model.fused_decode_unsupported() is not None

@@ -108,10 +108,11 @@ def test_fp8_kv_agrees_with_16_bit_kv_on_smollm2(ray_cluster):
     decode step, so only the same prefix through the same path isolates the cache) — the
     FP8 cache picks the 16-bit cache's token at >= 95 % of positions (the issue's bar),
     and holds twice the blocks."""
+    from raypp.config import cache_dir
     from raypp.demo import demo_model_path
 
     try:
-        model = str(demo_model_path(fetch=False))
+        model = str(demo_model_path(cache_dir(), fetch=False))
     except FileNotFoundError:
         pytest.skip("the demo model is not fetched (make setup fetches it)")
     texts = ["The history of the printing press", "def fibonacci(n):",

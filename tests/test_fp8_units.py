@@ -106,7 +106,7 @@ def _fp8_stage(model_dir: Path, quant: QuantConfig | None, fmt, tp_rank: int, tp
     model = model_class(mc.architecture)(mc.hf_config, StageSpec(0, mc.num_layers, True, True),
                                          TPContext(tp_rank, tp_size), mc.torch_dtype, "torch",
                                          quant=fmt)
-    load_stage_weights(model, mc.model, mc.quant_config)
+    load_stage_weights(model, mc.model, quant=mc.quant_config)
     return model
 
 

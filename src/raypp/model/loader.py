@@ -96,7 +96,7 @@ class _OpenFiles:
 
 
 def load_stage_weights(model: StageModel, model_dir: str,
-                       gguf_meta: GGUFMetadata | None = None,
+                       gguf_meta: GGUFMetadata | None = None, *,
                        quant: QuantConfig | None = None) -> LoadReport:
     """Fill ``model``'s parameters, reading only this stage's tensors and, of
     each, only this TP rank's slice. ``model_dir``: a Hugging Face directory, or a

@@ -113,7 +113,8 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device), quant=fp8)
-        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc), mc.quant_config)
+        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc),
+                                    quant=mc.quant_config)
         self.model.eval()
         quant = mc.quant_config
         return {
