@@ -138,13 +138,16 @@ def test_rope_decode_on_an_fp8_cache_matches_the_unfused_path(dtype, tol):
     from raypp.model.layers import RotaryEmbedding
 
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    seqs, heads, kv_heads, dim, blocks = 5, 8, 2, 64, 64
+    seqs, heads, kv_heads, dim = 5, 8, 2, 64
+    per_seq = -(-250 // BLOCK_SIZE)  # blocks of the longest sequence
+    blocks = seqs * per_seq
     rotary = RotaryEmbedding(dim, 1024, 10000.0, None).to(DEVICE)
     cache = (torch.randn(2, blocks, BLOCK_SIZE, kv_heads, dim, device=DEVICE, generator=gen)
              ).to(fp8.FP8_DTYPE)
     ks, vs = torch.tensor(0.5, device=DEVICE), torch.tensor(0.125, device=DEVICE)
     seq_lens = torch.tensor([1, 9, 33, 100, 250], device=DEVICE)
-    tables = torch.stack([torch.arange(12 * i, 12 * i + 12, device=DEVICE) for i in range(seqs)])
+    tables = torch.stack([torch.arange(per_seq * i, per_seq * (i + 1), device=DEVICE)
+                          for i in range(seqs)])
     positions = seq_lens - 1
     slots = (tables.gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE
              + positions % BLOCK_SIZE)
