@@ -4,7 +4,9 @@
 # LLM engines, which size their KV cache from the GPU's free memory) run serially.
 #   OUT=$OUT bash scripts/gpu_cuda_tests.sh [ENGINE_SECONDS=540] [MODULES...]
 # MODULES default to tests/test_cuda*.py. Output: $OUT/pytest_kernels.txt,
-# $OUT/pytest_engines.txt (-v, with durations), $OUT/nvidia_smi.txt, $OUT/commit.txt.
+# $OUT/pytest_engines.txt (-v, with durations), $OUT/failures.txt (each failure's traceback,
+# written as it happens: kept when the timeout stops pytest), $OUT/nvidia_smi.txt,
+# $OUT/commit.txt.
 set -u
 SECONDS_ENGINES=${1:-540}
 shift || true
@@ -16,6 +18,7 @@ mkdir -p "$OUT"
 bash scripts/gpu_run.sh 1 0 > /dev/null 2>&1  # installs the carried wheels (.whl/)
 export PYTHONPATH=/tmp/site:$PWD/src RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
+export RAYPP_FAILURES_FILE=$OUT/failures.txt  # tracebacks as they happen (tests/conftest.py)
 nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo "no git here" > "$OUT/commit.txt"
 # engine tests: those that start LLM engines (names say what they compare against)
@@ -27,3 +30,4 @@ timeout "$SECONDS_ENGINES" python3 -m pytest "${MODULES[@]}" -k "$ENGINE_K" -v -
 wait
 tail -4 "$OUT/pytest_kernels.txt"
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_engines.txt" | tail -60
+[ -f "$OUT/failures.txt" ] && grep -E "^=====|^E " "$OUT/failures.txt" | head -80

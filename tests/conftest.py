@@ -12,6 +12,16 @@ os.environ.setdefault("RAYPP_STEP_TIMEOUT_S", "60")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``RAYPP_FAILURES_FILE`` set, each failure's traceback is appended to that file
+    as it happens: a device call whose ``timeout`` stops pytest before its summary still
+    keeps the tracebacks (``scripts/gpu_cuda_tests.sh`` sets it)."""
+    path = os.environ.get("RAYPP_FAILURES_FILE")
+    if path and report.failed:
+        with open(path, "a") as out:
+            out.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster shared by the whole session (started once)."""
