@@ -85,7 +85,9 @@ def _teacher_forced(model_dir: str, prompts: list[list[int]], outs: list[Any],
 
 def assert_logprobs_within_transformers_error(model_dir: Any, prompts: list[list[int]],
                                               outs: list[Any], dtype: torch.dtype,
-                                              tie: float | None, label: str) -> None:
+                                              tie: float | None, label: str,
+                                              extra_far: int = 0, extra_error: float = 0.0
+                                              ) -> None:
     """raypp's half-precision completions ``outs`` (with top logprobs), teacher-forced
     through transformers: raypp's logprobs are as close to transformers' fp32 as
     transformers' own ``dtype`` logprobs are (relative error at most 1.5x theirs, plus
@@ -95,7 +97,8 @@ def assert_logprobs_within_transformers_error(model_dir: Any, prompts: list[list
     choice. For a dense model that count is almost always 0, so every token must be
     close; an MoE router's near-ties let single positions of either dtype route to
     another expert and jump by a nat or more, and there transformers' own count is the
-    allowance."""
+    allowance. ``extra_far`` and ``extra_error`` widen both bounds by what a measured
+    cause outside transformers' dtype (FP8 activation rounding) accounts for."""
     half = _teacher_forced(str(model_dir), prompts, outs, dtype)
     full = _teacher_forced(str(model_dir), prompts, outs, torch.float32)
     ours = theirs = norm = 0.0
@@ -122,8 +125,8 @@ def assert_logprobs_within_transformers_error(model_dir: Any, prompts: list[list
           f"transformers {theirs:.2e}; far greedy tokens: raypp {len(far)}, "
           f"transformers {dtype} {own_far}")
     print("\n".join(far))
-    assert len(far) <= own_far, far
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert len(far) <= own_far + extra_far, far
+    assert ours <= 1.5 * theirs + extra_error + 1e-3, (ours, theirs, extra_error)
 
 
 # -- decode graphs ---------------------------------------------------------------------------

@@ -242,10 +242,11 @@ def test_fp8_engine_fp32_matches_transformers(request, ray_cluster, tmp_path, fa
     assert got == hf_greedy_cuda(twin, PROMPTS, 24, torch.float32)
 
 
-def _activation_rounding_error(twin, prompts, outs) -> float:
+def _activation_rounding_error(twin, prompts, outs, tie: float) -> tuple[float, int]:
     """transformers fp32 with every decoder linear's input rounded per token through e4m3
-    (as ``_scaled_mm``'s inputs are), against plain fp32: the relative logprob error FP8
-    activations alone cause on raypp's tokens."""
+    (as ``_scaled_mm``'s inputs are), against plain fp32, teacher-forced on raypp's tokens:
+    the relative logprob error FP8 activations alone cause, and at how many positions
+    the rounded model's greedy choice is more than ``tie`` nats below plain fp32's."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32)
@@ -270,7 +271,9 @@ def _activation_rounding_error(twin, prompts, outs) -> float:
         h.remove()
     num = sum(((a - b) ** 2).sum().item() for a, b in zip(rounded, plain, strict=True))
     den = sum((b ** 2).sum().item() for b in plain)
-    return (num / den) ** 0.5
+    far = sum(int((b.max(-1).values - b.gather(-1, a.argmax(-1, keepdim=True))[:, 0] > tie).sum())
+              for a, b in zip(rounded, plain, strict=True))
+    return (num / den) ** 0.5, far
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 layers need compute capability 8.9")
@@ -278,6 +281,11 @@ def _activation_rounding_error(twin, prompts, outs) -> float:
 @pytest.mark.parametrize("long_prompt", [False, True])
 def test_fp8_engine_bf16_matches_transformers_within_its_error(request, ray_cluster, tmp_path, fmt,
                                                             long_prompt):
+    """bf16 activations: logprobs within transformers bf16's own error. Per-row FP8
+    weights on Hopper run prefill steps of more than ``SCALED_MM_MIN_ROWS`` rows (every
+    prefill here: the prompts together exceed it) as W8A8 ``_scaled_mm``, whose per-token
+    activation rounding transformers does not do: there the bounds widen by what that
+    rounding alone does to transformers fp32 (its logprob error and far greedy tokens)."""
     from raypp import LLM, SamplingParams
 
     model, twin, options = _twin(request, tmp_path, "tiny_llama", fmt)
@@ -286,18 +294,16 @@ def test_fp8_engine_bf16_matches_transformers_within_its_error(request, ray_clus
     with LLM(str(model), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
              **options) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    if not long_prompt or fmt == "block" or not HOPPER:  # no _scaled_mm ran
+    if fmt == "block" or not HOPPER:  # no _scaled_mm ran
         assert_logprobs_within_transformers_error(twin, prompts, outs, torch.bfloat16, 0.15,
                                                   f"fp8 {fmt}")
         return
-    act = _activation_rounding_error(twin, prompts, outs)
-    print(f"FP8 activation rounding alone: {act:.2e} relative logprob error")
-    try:
-        assert_logprobs_within_transformers_error(twin, prompts, outs, torch.bfloat16, 0.15,
-                                                  f"fp8 {fmt} W8A8 prefill")
-    except AssertionError as e:  # allowed only by the activation error
-        ours, theirs = e.args[0] if isinstance(e.args[0], tuple) else (None, None)
-        assert ours is not None and ours <= 1.5 * theirs + act + 1e-3, (e, act)
+    act, act_far = _activation_rounding_error(twin, prompts, outs, 0.15)
+    print(f"FP8 activation rounding alone: {act:.2e} relative logprob error, "
+          f"{act_far} far greedy tokens")
+    assert_logprobs_within_transformers_error(twin, prompts, outs, torch.bfloat16, 0.15,
+                                              f"fp8 {fmt} W8A8 prefill", extra_far=act_far,
+                                              extra_error=act)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
