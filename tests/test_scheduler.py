@@ -115,7 +115,8 @@ class TruthfulFor:
 
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
               arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=(), speculate=0,
-              pp=1, chunk_tokens=None, hidden_size=None, on_schedule=None):
+              pp=1, chunk_tokens=None, hidden_size=None, on_schedule=None,
+              balanced_decode=True):
     """Run every request to its end; ``aborts``: (step, request index) pairs;
     ``speculate``: draft up to that many tokens per decode row (a proposer right for
     some of them); ``pp`` > 1: sized for that many stages (prompt chunks pipelined);
@@ -125,7 +126,8 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
                              max_inflight=inflight, num_decode_steps=decode_steps,
                              async_scheduling=rounds_ahead,
-                             long_prefill_chunk_tokens=chunk_tokens).size_for("cpu", pp)
+                             long_prefill_chunk_tokens=chunk_tokens,
+                             balanced_decode=balanced_decode).size_for("cpu", pp)
     spec = SpeculativeConfig(num_speculative_tokens=speculate) if speculate else None
     sched = Scheduler(config, blocks, max_model_len=10_000, speculative=spec,
                       hidden_size=hidden_size)
@@ -394,7 +396,8 @@ def test_long_prompt_is_chunked():
 
 
 def _rows_per_batch(pp: int, prompts: list[list[int]], max_tokens: list[int], arrivals,
-                    step_tokens: int = 512) -> list[tuple[int, list[int]]]:
+                    step_tokens: int = 512, balanced_decode: bool = True
+                    ) -> list[tuple[int, list[int]]]:
     """Per micro-batch of a ``pp``-stage simulation: its decode rows, and the request
     indices of its prompt rows."""
     rows: list[tuple[int, list[int]]] = []
@@ -404,7 +407,8 @@ def _rows_per_batch(pp: int, prompts: list[list[int]], max_tokens: list[int], ar
         rows.append((len(batch.seqs) - len(prompt), prompt))
 
     _simulate(prompts, max_tokens, num_blocks=400, block_size=4, inflight=pp, max_seqs=64,
-              max_tokens_step=step_tokens, arrivals=arrivals, pp=pp, on_schedule=record)
+              max_tokens_step=step_tokens, arrivals=arrivals, pp=pp, on_schedule=record,
+              balanced_decode=balanced_decode)
     return rows
 
 
@@ -418,6 +422,20 @@ def test_decode_rows_spread_evenly_over_the_micro_batches():
         windows = [steady[i:i + pp] for i in range(0, len(steady) - pp + 1)]
         assert steady and all(max(w) - min(w) <= 1 for w in windows), (pp, steady)
         assert sum(steady[:pp]) == n  # every running decode, once per pp micro-batches
+
+
+def test_without_balanced_decode_the_decodes_bunch_up():
+    """``balanced_decode=False`` (the comparison the mixed-workload benchmark makes): the
+    next micro-batch takes every ready decode row, so once all decode they travel as one
+    micro-batch and the pipeline's other slots stay empty; balanced, no micro-batch holds
+    more than ``ceil(decodes / pp)``."""
+    n, pp = 9, 3
+    prompts = [[(5 * i + j) % 50 for j in range(3 + i % 4)] for i in range(n)]
+    for balanced, most in ((False, n), (True, -(-n // pp))):
+        rows = _rows_per_batch(pp, prompts, [60] * n, [i // 3 for i in range(n)],
+                               balanced_decode=balanced)
+        steady = [d for d, _ in rows[len(rows) // 3:len(rows) * 2 // 3]]
+        assert steady and max(steady) == most, (balanced, steady)
 
 
 def test_the_decode_cap_never_holds_back_a_prefill():

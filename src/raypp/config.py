@@ -157,8 +157,10 @@ class SchedulerConfig:
     tokens of one prompt per step (default: the step budget, over the stages with
     pipelined prefill); ``balanced_prefill_chunks``: later chunks shrink as their context
     grows, for even stage times (:mod:`raypp.engine.chunking`). Decode rows are scheduled
-    before prefill chunks, and at most ``ceil(decodes / max_inflight)`` per micro-batch,
-    so the running decodes spread evenly over the micro-batches in flight.
+    before prefill chunks; ``balanced_decode`` (default): at most
+    ``ceil(decodes / max_inflight)`` per micro-batch, so the running decodes spread evenly
+    over the micro-batches in flight (False: every ready decode row joins the next
+    micro-batch, as long as the budget lasts).
     """
 
     max_num_seqs: int | None = None
@@ -169,6 +171,7 @@ class SchedulerConfig:
     pipelined_prefill: bool | None = None
     long_prefill_chunk_tokens: int | None = None
     balanced_prefill_chunks: bool = True
+    balanced_decode: bool = True
     # set by size_for: the engine sizes decode rounds itself (num_decode_steps left None)
     adaptive_rounds: bool = field(default=False, init=False)
     # set by size_for: a one-stage pipeline, whose stage can feed its sampled tokens back
@@ -183,7 +186,8 @@ class SchedulerConfig:
                 raise ValueError(f"{f} must be an integer >= 1, got {value!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight!r}")
-        for f in ("async_scheduling", "pipelined_prefill", "balanced_prefill_chunks"):
+        for f in ("async_scheduling", "pipelined_prefill", "balanced_prefill_chunks",
+                  "balanced_decode"):
             if not isinstance(getattr(self, f), bool) and not (
                     f == "pipelined_prefill" and self.pipelined_prefill is None):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")

@@ -88,8 +88,8 @@ class Scheduler:
         micro-batches are in flight.
 
         The step's token budget goes to decode rows first (running sequences with one
-        token to feed, at most ``ceil(decodes / max_inflight)`` of them, so the decodes
-        spread evenly over the micro-batches in flight), then to the next chunks of
+        token to feed; with ``balanced_decode`` at most ``ceil(decodes / max_inflight)``
+        of them, so the decodes spread evenly over the micro-batches in flight), then to the next chunks of
         running prompts (one whose earlier chunks are still in flight too, with
         pipelined prefill: :mod:`raypp.engine.chunking`), then to waiting sequences.
         """
@@ -99,7 +99,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[ScheduledSeq] = []
         decodes = sum(1 for s in self.running if s.num_tokens - s.next_position <= 1)
-        decode_cap = max(1, -(-decodes // slots))
+        decode_cap = max(1, -(-decodes // slots)) if self.config.balanced_decode else decodes
         for seq in list(self.running):  # decode rows (and prompts down to their last token)
             if budget <= 0 or len(chosen) >= decode_cap:
                 break

@@ -105,6 +105,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balanced-prefill-chunks", action=argparse.BooleanOptionalAction,
                         default=None, help="later prompt chunks shrink as their context "
                         "grows, for even stage times (default on)")
+    parser.add_argument("--balanced-decode", action=argparse.BooleanOptionalAction,
+                        default=None, help="at most ceil(decodes / micro-batches in flight) "
+                        "decode rows per micro-batch, so decodes spread evenly over the "
+                        "pipeline (default on)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of prompt prefixes seen before "
                         "(default on; --no-enable-prefix-caching turns it off)")
@@ -191,6 +195,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pipelined_prefill": args.pipelined_prefill,
         "long_prefill_chunk_tokens": args.long_prefill_chunk_tokens,
         "balanced_prefill_chunks": args.balanced_prefill_chunks,
+        "balanced_decode": args.balanced_decode,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
