@@ -11,8 +11,7 @@ set -u
 SECONDS_ENGINES=${1:-540}
 shift || true
 MODULES=("$@")
-[ ${#MODULES[@]} -gt 0 ] || MODULES=(tests/test_cuda.py tests/test_cuda_kernels.py
-  tests/test_cuda_families.py tests/test_cuda_moe.py tests/test_cuda_pipeline.py)
+[ ${#MODULES[@]} -gt 0 ] || MODULES=(tests/test_cuda*.py)
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 bash scripts/gpu_run.sh 1 0 > /dev/null 2>&1  # installs the carried wheels (.whl/)
