@@ -39,7 +39,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
