@@ -75,14 +75,16 @@ def ensure_ray(address: str | None) -> None:
 def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],
                   tp_size: int) -> list[dict[str, Any]]:
     """Per stage: ``layers`` ``[start, end)``, ``weight_bytes`` (its largest TP rank's
-    parameters) and ``kv_blocks`` (the fewest any of its TP ranks can hold), from the
+    parameters), ``kv_blocks`` (the fewest any of its TP ranks can hold) and ``draft``
+    (the first stage's draft model's load report, else ``None``), from the
     workers' ``load_model`` reports and KV budgets in rank order."""
     out = []
     for start in range(0, len(load_info), tp_size):
         ranks = load_info[start:start + tp_size]
         out.append({"stage": start // tp_size, "layers": tuple(ranks[0]["layers"]),
                     "weight_bytes": max(r["weight_bytes"] for r in ranks),
-                    "kv_blocks": min(kv_blocks[start:start + tp_size])})
+                    "kv_blocks": min(kv_blocks[start:start + tp_size]),
+                    "draft": ranks[0].get("draft")})
     return out
 
 
@@ -96,6 +98,13 @@ def format_stage_table(summary: list[dict[str, Any]], smallest: int) -> str:
                      f"{_bytes(row['weight_bytes']):>14}  {row['kv_blocks']:>9}")
     lines.append(f"engine KV capacity = min over stages = {summary[smallest]['kv_blocks']} blocks "
                  f"(stage {smallest})")
+    for row in summary:
+        draft = row.get("draft")
+        if draft:
+            lines.append(f"stage {row['stage']} also runs the draft model {draft['path']} "
+                         f"({draft['layers']} layers, {_bytes(draft['weight_bytes'])} of weights "
+                         f"besides the stage's, {_bytes(draft['block_bytes'])} of each KV "
+                         "block: the stage's KV blocks count both caches)")
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from raypp.model.loader import load_stage_weights
 from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
+from raypp.worker.draft_runner import DraftModel
 from raypp.worker.faults import FaultInjector
 from raypp.worker.model_runner import ModelRunner
 from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
@@ -76,6 +77,7 @@ class StageWorker:
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
         self.model: Any = None
+        self.draft: DraftModel | None = None  # the first stage's draft model (load_model)
         self.runner: ModelRunner | None = None  # made in init_kv_cache
         self.timeline: list[tuple[int, float, float]] = []
         self.occupancy = StageOccupancy(self.pp_rank)
@@ -115,7 +117,9 @@ class StageWorker:
                                                       attention_backend(self.device))
         report = load_stage_weights(self.model, mc.model)
         self.model.eval()
+        self.draft = DraftModel.load(self.config, self.stage, self.device, tp)
         return {
+            "draft": None if self.draft is None else self.draft.report,
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "layers": [self.stage.start, self.stage.end],
@@ -128,7 +132,8 @@ class StageWorker:
     def kv_block_bytes(self) -> int:
         kv_heads, head_dim = self.model.kv_cache_layout()
         per_layer = 2 * self.config.cache.block_size * kv_heads * head_dim
-        return per_layer * self.model.num_layers * self.config.model.torch_dtype.itemsize
+        draft = 0 if self.draft is None else self.draft.kv_block_bytes(self.config.cache.block_size)
+        return per_layer * self.model.num_layers * self.config.model.torch_dtype.itemsize + draft
 
     def kv_budget(self) -> KVBudget:
         """How many KV blocks of this stage's layers fit its memory budget.
@@ -185,6 +190,9 @@ class StageWorker:
             ).capture()
         self.runner = ModelRunner(self.model, kv_caches, graphs, self.device,
                                   self.config.cache.block_size)
+        if self.draft is not None:  # its own blocks, as many as the target's
+            self.runner.draft = self.draft.runner(num_blocks, self.config.cache.block_size,
+                                                  self.device)
 
     @property
     def decode_graphs(self) -> Any:
