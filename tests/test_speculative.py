@@ -294,12 +294,14 @@ def test_the_draft_model_sees_chunked_prompts_and_cached_prefixes(ray_cluster, t
     assert "stage 0 also runs the draft model" in format_stage_table(summary, 0)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluster, tiny_llama, pp):
+@pytest.mark.parametrize("pp, proposer", [(1, "ngram"), (2, "ngram"), (2, "draft")])
+def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluster, tiny_llama,
+                                                                      drafts, pp, proposer):
     """Seeded sampling with logprobs, n = 2, stop strings, stop ids and max_tokens: token
-    for token, logprob for logprob what the same engine samples without speculation."""
+    for token, logprob for logprob what the same engine samples without speculation
+    (drafts from prompt lookup, or from the target's first half as a draft model)."""
     outs = {}
-    for spec in (None, NGRAM):
+    for spec in (None, NGRAM if proposer == "ngram" else _draft_spec(drafts["half"], 3)):
         with LLM(str(tiny_llama), max_num_seqs=6, pipeline_parallel_size=pp, seed=5,
                  speculative_config=spec) as llm:
             prompts = _prompts(llm)
@@ -316,16 +318,19 @@ def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluste
                                     c.logprobs and [sorted(lp) for lp in c.logprobs])
                                    for c in o.outputs] for o in got]
             if spec:
-                assert llm.engine.stats.spec_drafted_tokens > 0
+                assert llm.engine.stats.spec_accepted_tokens > 0
     assert outs[False] == outs[True]
 
 
-def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llama):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llama, drafts,
+                                                          proposer):
     """Few cache blocks: drafts never preempt anyone, and preempted sequences come back
-    with the same outputs."""
+    with the same outputs (a draft model's KV recomputed with the target's)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["half"], 3)
     with LLM(str(tiny_llama), max_model_len=64, block_size=8, num_blocks_override=12,
-             max_num_seqs=8, speculative_config=NGRAM) as llm:
+             max_num_seqs=8, speculative_config=spec) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [8, 9, 11, 13, 15, 17])
         outs = [o.outputs[0].token_ids for o in _generate(llm, prompts, params)]
         engine = llm.engine
@@ -334,13 +339,17 @@ def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llam
     assert outs == hf_greedy(tiny_llama, prompts, 30)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray_cluster,
-                                                                             tiny_llama):
+                                                                             tiny_llama, drafts,
+                                                                             proposer):
     """Step 1 is the first decode step, and every prompt ends in a token it already
-    holds, so it verifies drafts: a fault in the last stage there fails that step's
-    requests; the requests after it, drafted and verified again, equal transformers."""
+    holds, so it verifies drafts (a draft model drafts on every decode step): a fault in
+    the last stage there fails that step's requests; the requests after it, drafted and
+    verified again, equal transformers."""
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["self"], 3)
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=3, max_inflight=1,
-             speculative_config=NGRAM, fault_inject="raise:1:1") as llm:
+             speculative_config=spec, fault_inject="raise:1:1") as llm:
         text = corpus_prompts(llm.get_tokenizer(), [6, 9])
         # each ends in a token it holds already: the first decode step drafts
         prompts = [[3] * 8, [100] * 12, text[0] + text[0][:2], [3] * 9, [100] * 13,
