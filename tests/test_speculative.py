@@ -31,19 +31,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_llama, tmp_path_factory) -> dict[str, str]:
+def drafts(tiny_llama, tiny_llama_half, tmp_path_factory) -> dict[str, str]:
     """Draft models for ``tiny_llama``, by name: ``"self"`` (the target: every draft
     accepted), ``"half"`` (the target's first 3 of 6 layers, its embedding, norm and LM
     head: some drafts accepted) and ``"other"`` (another random 2-layer model with the
     same vocabulary: hardly any accepted)."""
     from raypp.testing.tiny_model import make_tiny_model
 
-    half = tmp_path_factory.mktemp("draft_half") / "model"
-    shutil.copytree(tiny_llama, half)
-    _edit_config(half, num_hidden_layers=3)
     other = make_tiny_model(tmp_path_factory.mktemp("draft_other"), architecture="llama",
                             seed=9, num_layers=2)
-    return {"self": str(tiny_llama), "half": str(half), "other": str(other)}
+    return {"self": str(tiny_llama), "half": str(tiny_llama_half), "other": str(other)}
 
 
 def _edit_config(model_dir: Path, **changes) -> None:
