@@ -233,26 +233,28 @@ def test_greedy_with_speculation_equals_transformers(ray_cluster, tiny_llama, la
                for m in metrics if m["spec_verifications"])
 
 
-@pytest.mark.parametrize("pp, plane, k, draft, rounds", [
-    (1, "cgraph", 3, "self", 1),
-    (1, "cgraph", 3, "other", 4),
-    (2, "cgraph", 1, "self", 1),
-    (2, "cgraph", 3, "half", 1),
-    (2, "cgraph", 5, "self", 1),
-    (3, "cgraph", 3, "self", 1),
-    (2, "direct", 3, "other", 1),
-    (3, "direct", 5, "half", 1),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize("pp, plane, k, draft, extra", [
+    (1, "cgraph", 3, "self", {}),
+    (1, "cgraph", 3, "other", {"num_decode_steps": 4}),
+    (1, "cgraph", 3, "half", {"tensor_parallel_size": 2}),
+    (2, "cgraph", 1, "self", {}),
+    (2, "cgraph", 3, "half", {}),
+    (2, "cgraph", 5, "self", {}),
+    (3, "cgraph", 3, "self", {}),
+    (2, "direct", 3, "other", {}),
+    (3, "direct", 5, "half", {}),
+], ids=["pp1-k3-self", "pp1-k3-other-rounds", "tp2-k3-half", "pp2-k1-self", "pp2-k3-half",
+        "pp2-k5-self", "pp3-k3-self", "pp2-direct-k3-other", "pp3-direct-k5-half"])
 def test_greedy_with_a_draft_model_equals_transformers(ray_cluster, tiny_llama, drafts, pp,
-                                                       plane, k, draft, rounds):
+                                                       plane, k, draft, extra):
     """The first stage's draft model proposes, the pipeline verifies: outputs are
     transformers' greedy tokens whatever the draft. The target as its own draft has
     (nearly) every draft accepted, which only a draft that ran on every prompt and
-    accepted token can; the others are accepted partly (``half``) or hardly (``other``,
-    whose misses pause drafting: with ``rounds`` > 1 those rows run decode rounds, which
-    the draft skips and catches up on)."""
+    accepted token can; the others are accepted partly (``half``, TP-split like the
+    target under tp 2) or hardly (``other``, whose misses pause drafting: with decode
+    rounds those rows run rounds, which the draft skips and catches up on)."""
     with LLM(str(tiny_llama), max_num_seqs=4, pipeline_parallel_size=pp, control_plane=plane,
-             num_decode_steps=rounds, speculative_config=_draft_spec(drafts[draft], k)) as llm:
+             speculative_config=_draft_spec(drafts[draft], k), **extra) as llm:
         prompts = _prompts(llm)
         outs = _generate(llm, prompts, GREEDY)
         stats = llm.engine.stats
