@@ -280,7 +280,10 @@ def test_the_draft_model_sees_chunked_prompts_and_cached_prefixes(ray_cluster, t
     its own, so it has fewer blocks than stage 1, and the start-up table says why."""
     from raypp.executor.stage_pool import format_stage_table
 
+    # a byte budget (the default CPU budget is capped at what max_num_seqs sequences can
+    # fill, which both stages reach here): blocks then follow each stage's block bytes
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_batched_tokens=16,
+             kv_cache_memory_bytes=8 * 2**20,
              speculative_config=_draft_spec(drafts["self"], 3)) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [40, 57])
         want = hf_greedy(tiny_llama, prompts, 24)
@@ -368,13 +371,18 @@ def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray
         assert blocks.num_free == blocks.num_blocks and llm.is_healthy()
 
 
-@pytest.mark.parametrize("plane", ["cgraph", "direct"])
-def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
+@pytest.mark.parametrize(("plane", "proposer"), [("cgraph", "ngram"), ("direct", "ngram"),
+                                                  ("cgraph", "draft"), ("direct", "draft")])
+def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, drafts, plane, proposer):
     """pp=2, every step a verification: stage 0 stalls on step 3 and stage 1 is killed
     meanwhile. No request is lost: each is re-queued and continues to transformers'
-    output; the replaced stages verify drafts again, exactly."""
+    output; the replaced stages verify drafts again, exactly. With a draft model, the
+    replaced stage 0's draft cache starts empty: the re-queued sequences' draft KV count
+    restarts with their tables, so the recompute refills it (nearly every draft of the
+    target as its own draft is accepted again)."""
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["self"], 3)
     with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane, max_restarts=5,
-             speculative_config=NGRAM, fault_inject="sleep:0:3:4") as llm:
+             speculative_config=spec, fault_inject="sleep:0:3:4") as llm:
         prompts = [[3] * 8, [100] * 12]  # repeated tokens: every decode step drafts
         killer = kill_stage_later(llm, 1, 1.5)
         got = _generate(llm, prompts, GREEDY)  # zero-loss recovery: re-queued, exact
@@ -384,6 +392,34 @@ def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
         again = _generate(llm, prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in again] == hf_greedy(tiny_llama, prompts, 24)
         assert llm.engine.restarts == 1 and llm.engine.stats.spec_accepted_tokens > accepted
+        if proposer == "draft":
+            assert all(o.metrics["spec_acceptance_rate"] > 0.9 for o in again)
+
+
+def test_a_draft_model_loads_fp8_checkpoints_and_follows_the_fp8_kv_cache(ray_cluster,
+                                                                         tiny_llama, tmp_path):
+    """The draft is loaded as the target would be: a block-FP8 copy of the target (its
+    own format, dequantized at load on CPU; read without its scales it would not load)
+    drafts much of what the target samples (a random tiny model's near-ties part them), and
+    with ``kv_cache_dtype="fp8"`` its cache takes one byte an element too. Greedy outputs
+    equal the same engine's without speculation."""
+    from raypp.testing.fp8_checkpoint import quantize_checkpoint
+
+    draft = quantize_checkpoint(tiny_llama, tmp_path / "draft_fp8", "block")
+    outs, summary = {}, None
+    for spec in (None, _draft_spec(str(draft), 3)):
+        with LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory_bytes=8 * 2**20,
+                 speculative_config=spec) as llm:
+            prompts = corpus_prompts(llm.get_tokenizer(), [9, 30])
+            got = _generate(llm, prompts, GREEDY)
+            outs[spec is None] = [o.outputs[0].token_ids for o in got]
+            if spec is not None:
+                summary = llm.engine.executor.pool.stage_summary
+                assert all(o.metrics["spec_acceptance_rate"] > 0.3 for o in got), \
+                    [o.metrics["spec_acceptance_rate"] for o in got]
+    assert outs[True] == outs[False]
+    # tiny_llama: 6 layers × 2 × 16 tokens × 2 kv heads × 16 dims per block, e4m3
+    assert summary[0]["draft"]["block_bytes"] == 6 * 2 * 16 * 2 * 16
 
 
 def test_constrained_and_biased_rows_ride_along_in_verify_steps(ray_cluster, tiny_llama):

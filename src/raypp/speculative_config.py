@@ -73,7 +73,8 @@ class SpeculativeConfig:
         assert self.model is not None
         dtype = str(target.torch_dtype).removeprefix("torch.")  # the target's, as a name
         try:
-            draft = ModelConfig(self.model, dtype=dtype)
+            # resolved like the target's name (a path, "demo" or a Hub id, in its cache dir)
+            draft = ModelConfig(self.model, dtype=dtype, cache_dir=target.cache_dir)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"speculative_config model (the draft): {e}") from None
         except ValueError as e:

@@ -30,6 +30,7 @@ position, batched over the step's drafting rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,10 @@ from raypp.model.attention import attention_backend
 from raypp.model.base import StageModel, StageSpec
 from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
+from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
 from raypp.step import ResolvedStep, StepInput, StepMode
+from raypp.worker.kv_memory import zeros
 
 
 @dataclass
@@ -51,25 +54,31 @@ class DraftModel:
 
     model: StageModel
     path: str
+    kv_dtype: torch.dtype  # its cache's element type (the target's kv_cache_dtype choice)
     report: dict[str, Any]  # for the stage table: path, layers, weight and block bytes
 
     @classmethod
     def load(cls, config: EngineConfig, stage: StageSpec, device: torch.device,
              tp: TPContext) -> DraftModel | None:
         """The draft of ``config`` for ``stage``, loaded onto ``device`` in the target's
-        dtype with the target's loader (safetensors or GGUF); ``None`` unless ``stage``
-        is the first and ``config`` asks for a draft model."""
+        dtype with the target's loader (safetensors or GGUF; an FP8 checkpoint in its own
+        format, as the target's would be; a Hub id fetched on this node as the target's
+        is); ``None`` unless ``stage`` is the first and ``config`` asks for a draft model.
+        Its KV cache takes the target's ``kv_cache_dtype``."""
+        from raypp.worker.worker import _checkpoint_on_this_node
+
         spec = config.speculative_config
         draft = spec.draft if spec is not None else None
         if draft is None or not stage.is_first:
             return None
         whole = StageSpec(0, draft.num_layers, True, True)
+        fp8 = weight_format(draft.quant_config, device)  # None: 16/32-bit (CPU dequantizes)
         with torch.device(device):
             model = model_class(draft.architecture)(draft.hf_config, whole, tp, draft.torch_dtype,
-                                                    attention_backend(device))
-        load_stage_weights(model, draft.model)
+                                                    attention_backend(device), quant=fp8)
+        load_stage_weights(model, *_checkpoint_on_this_node(draft), quant=draft.quant_config)
         model.eval()
-        out = cls(model, draft.model, {})
+        out = cls(model, draft.model, config.cache.kv_torch_dtype(draft.torch_dtype), {})
         out.report = {"path": draft.model, "layers": draft.num_layers,
                       "weight_bytes": sum(p.numel() * p.element_size()
                                           for p in model.parameters()),
@@ -79,28 +88,30 @@ class DraftModel:
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one cache block of the draft (all its layers) takes on this worker."""
         kv_heads, head_dim = self.model.kv_cache_layout()
-        dtype = next(self.model.parameters()).dtype
-        return 2 * block_size * kv_heads * head_dim * self.model.num_layers * dtype.itemsize
+        return (2 * block_size * kv_heads * head_dim * self.model.num_layers
+                * self.kv_dtype.itemsize)
 
-    def runner(self, num_blocks: int, block_size: int, device: torch.device) -> DraftRunner:
+    def runner(self, num_blocks: int, block_size: int, device: torch.device,
+               on_progress: Callable[[], None] | None = None) -> DraftRunner:
         """A :class:`DraftRunner` over a fresh cache of ``num_blocks`` blocks (the target's
-        count: the block tables index both)."""
+        count: the block tables index both); ``on_progress``: the stage's progress tick,
+        called as the draft's forwards advance as the target's does."""
         kv_heads, head_dim = self.model.kv_cache_layout()
-        dtype = next(self.model.parameters()).dtype
-        caches = [torch.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype,
-                              device=device) for _ in range(self.model.num_layers)]
-        return DraftRunner(self.model, caches, device, block_size)
+        caches = [zeros((2, num_blocks, block_size, kv_heads, head_dim), self.kv_dtype, device)
+                  for _ in range(self.model.num_layers)]
+        return DraftRunner(self.model, caches, device, block_size, on_progress)
 
 
 class DraftRunner:
     """Runs the draft model over the first stage's steps (module docstring)."""
 
     def __init__(self, model: StageModel, kv_caches: list[torch.Tensor], device: torch.device,
-                 block_size: int):
+                 block_size: int, on_progress: Callable[[], None] | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
+        self.on_progress = on_progress  # the stage's progress tick (raypp.worker.progress)
 
     def run(self, step: ResolvedStep) -> list[int] | None:
         """Feed ``step``'s rows to the draft (after their catch-up tokens) and, for a
@@ -149,7 +160,8 @@ class DraftRunner:
         resolved = ResolvedStep.of(lean, [step.block_tables[r] for r in rows], self.block_size)
         dev = self.device
         positions = torch.tensor(resolved.positions, dtype=torch.int64, device=dev)
-        hidden, _ = self.model(positions, attention_metadata(resolved, dev), self.kv_caches,
+        meta = attention_metadata(resolved, dev, self.on_progress)
+        hidden, _ = self.model(positions, meta, self.kv_caches,
                                input_ids=torch.tensor(ids, dtype=torch.int64, device=dev))
         if not picks:
             return []

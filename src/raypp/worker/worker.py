@@ -210,7 +210,7 @@ class StageWorker:
                                   self.config.cache.block_size, on_progress=tick)
         if self.draft is not None:  # its own blocks, as many as the target's
             self.runner.draft = self.draft.runner(num_blocks, self.config.cache.block_size,
-                                                  self.device)
+                                                  self.device, on_progress=tick)
 
     @property
     def decode_graphs(self) -> Any:
