@@ -1,17 +1,20 @@
-"""Speculative decoding (n-gram) against plain decoding on the demo model, batch 1 (CPU).
+"""Speculative decoding (n-gram, draft model) against plain decoding on the demo model,
+batch 1 (CPU).
 
-``python -m benchmarks.speculative [--pp 1,2] [--k 4] [--reps 3] [--max-tokens 128]
-[--out benchmarks/speculative_cpu.json]``
+``python -m benchmarks.speculative [--pp 1,2] [--k 4] [--methods ngram,draft_model]
+[--draft PATH] [--reps 3] [--max-tokens 128] [--out benchmarks/speculative_cpu.json]``
 
 SmolLM2-135M-Instruct (the demo GGUF) answers one chat request that asks it to repeat a
 paragraph (a prompt that quotes its input: the case prompt lookup is for), greedy,
 ``--max-tokens`` tokens. Per pipeline size, one engine without speculation and one per
-``--k`` (``{"method": "ngram", "num_speculative_tokens": k}``, defaults otherwise) run
-the request ``--reps`` times each after a warm-up; the engines alternate within a
-pipeline size. Reported: output tokens/s of the whole request (prefill included),
-median over the repetitions, the speed-up over plain decoding, the mean accepted
-length (tokens per verification) and acceptance rate, and whether the text equals the
-plain run's.
+``--k`` and ``--methods`` entry (``{"method": "ngram", "num_speculative_tokens": k}``, or
+``"draft_model"`` with ``--draft`` as the draft, by default the demo model itself: every
+draft accepted, the upper bound of acceptance, at the cost of running the target twice)
+run the request ``--reps`` times each after a warm-up; the engines alternate within a
+pipeline size (every engine with ``max_model_len=4096``). Reported: output tokens/s of
+the whole request (prefill included), median over the repetitions, the speed-up over
+plain decoding, the mean accepted length (tokens per verification) and acceptance rate,
+and whether the text equals the plain run's.
 """
 
 from __future__ import annotations
@@ -43,12 +46,19 @@ def _run(llm: Any, max_tokens: int) -> tuple[float, Any]:
     return time.perf_counter() - started, out
 
 
-def measure(pp: int, ks: list[int], reps: int, max_tokens: int) -> dict[str, Any]:
+def measure(pp: int, ks: list[int], reps: int, max_tokens: int, methods: list[str],
+            draft: str | None = None) -> dict[str, Any]:
     from raypp import LLM, SamplingParams
 
     path = "demo"  # SmolLM2-135M-Instruct, fetched into the cache on first use
-    configs = [None] + [{"method": "ngram", "num_speculative_tokens": k} for k in ks]
-    engines = [LLM(path, pipeline_parallel_size=pp, speculative_config=c) for c in configs]
+    configs: list[dict[str, Any] | None] = [None]
+    for method in methods:
+        extra = {"model": draft or path} if method == "draft_model" else {}
+        configs += [{"method": method, "num_speculative_tokens": k, **extra} for k in ks]
+    # max_model_len 4096 for every engine, as in the recorded runs (a draft's KV shares
+    # stage 0's KV budget)
+    engines = [LLM(path, pipeline_parallel_size=pp, max_model_len=4096, speculative_config=c)
+               for c in configs]
     rows: list[dict[str, Any]] = [{"speculative_config": c, "tok_s": [], "text": None,
                                    "metrics": None} for c in configs]
     try:
@@ -77,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="1,2")
     parser.add_argument("--k", default="4")
+    parser.add_argument("--methods", default="ngram", help="ngram, draft_model, or both")
+    parser.add_argument("--draft", default=None, help="the draft model (default: the demo "
+                                                      "model itself)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=None)
@@ -84,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()
     results = {"load_avg_at_start": [round(x, 2) for x in load], "max_tokens": args.max_tokens,
                "results": [measure(int(p), [int(k) for k in args.k.split(",")], args.reps,
-                                   args.max_tokens) for p in args.pp.split(",")]}
+                                   args.max_tokens, args.methods.split(","), args.draft)
+                           for p in args.pp.split(",")]}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print("| pp | speculative | tok/s (median) | speed-up | mean accepted length | "
@@ -93,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in results["results"]:
         for row in r["runs"]:
             c = row["speculative_config"]
-            name = "off" if c is None else f"ngram k={c['num_speculative_tokens']}"
+            name = "off" if c is None else f"{c['method']} k={c['num_speculative_tokens']}"
             print(f"| {r['pp']} | {name} | {row['median_tok_s']:.1f} | {row['speedup']:.2f}x "
                   f"| {row['mean_accepted_length'] or '-'} | {row['acceptance_rate'] or '-'} "
                   f"| {row['same_text']} |")

@@ -43,6 +43,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_half(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_llama``'s first 3 of 6 layers with its embedding, final norm and LM head (the
+    same files, ``num_hidden_layers`` 3): a draft model that agrees with it in part."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny_llama_half") / "model"
+    shutil.copytree(tiny_llama, path)
+    config = path / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 3}))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6-layer Qwen2 (qkv bias), tied embeddings, sharded safetensors with an index."""
     from raypp.testing.tiny_model import make_tiny_model

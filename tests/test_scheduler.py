@@ -37,21 +37,30 @@ def _next_token(tokens: list[int]) -> int:
 
 
 class FakePipeline:
-    def __init__(self, blocks: BlockManager):
+    """``draft_model``: the first stage also runs a draft model with a cache of its own
+    (``draft_cache``, same slots), as :mod:`raypp.worker.draft_runner` does: it feeds each
+    row's catch-up and real tokens, checking that its cache held the true prefix before
+    them, and drafts the row's placeholders (right for a context-picked count)."""
+
+    def __init__(self, blocks: BlockManager, draft_model: bool = False):
         self.blocks = blocks
         self.cache: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its KV depends on
+        self.draft_model = draft_model
+        self.draft_cache: dict[int, tuple[int, ...]] = {}  # the same, of the draft's KV
 
     def run(self, batch: MicroBatch, tables: list[list[int]],
-            ahead: dict[int, list[int]] | None = None) -> list[list[int]]:
+            ahead: dict[int, list[int]] | None = None,
+            catchup: list[list[int]] | None = None) -> list[list[int]]:
         """Per sampled row, ``batch.num_steps`` tokens (each step feeds the last one back).
 
         ``tables``: each row's block table as a stage resolved it from the lean step (it
         writes at the engine's slots, and attention reads through these). ``ahead``: for
         a continuation, the tokens per sequence id that the round it continues samples
-        (not yet on the host, as on a real stage)."""
+        (not yet on the host, as on a real stage). ``catchup``: the step's
+        ``draft_catchup``."""
         sampled = []
         size = self.blocks.block_size
-        for item, table in zip(batch.seqs, tables, strict=True):
+        for r, (item, table) in enumerate(zip(batch.seqs, tables, strict=True)):
             seq = item.seq
             extra = ahead[seq.seq_id] if ahead else []
             start = item.start
@@ -59,7 +68,11 @@ class FakePipeline:
                 assert len(extra) == start - seq.num_computed_tokens
             else:  # a prompt chunk may start after chunks still in flight, never past
                 assert start <= len(seq.all_token_ids)  # the tokens the host knows
-            tokens = list(seq.all_token_ids) + extra + item.draft  # drafts: fed, unconfirmed
+            tokens = list(seq.all_token_ids) + extra
+            draft = item.draft
+            if self.draft_model and batch.mode is not StepMode.DECODE_ROUND:
+                draft = self._draft(item, table, tokens, catchup[r] if catchup else [])
+            tokens += draft  # drafts: fed, unconfirmed
             end = start + item.num_tokens
             out = []
             for _ in range(batch.num_steps):
@@ -74,11 +87,11 @@ class FakePipeline:
                         "cache holds another prefix")
                 if not item.sample:
                     break
-                if item.draft:  # verify: the target samples every drafted position
-                    first = end - len(item.draft)
+                if draft:  # verify: the target samples every drafted position
+                    first = end - len(draft)
                     samples = [_next_token(tokens[:p]) for p in range(first, end + 1)]
-                    accepted = next((j for j, t in enumerate(item.draft) if samples[j] != t),
-                                    len(item.draft))
+                    accepted = next((j for j, t in enumerate(draft) if samples[j] != t),
+                                    len(draft))
                     out.extend(samples[:accepted + 1])
                     break
                 out.append(_next_token(tokens[:end]))
@@ -87,6 +100,25 @@ class FakePipeline:
             if item.sample:
                 sampled.append(out)
         return sampled
+
+    def _draft(self, item, table: list[int], tokens: list[int], catchup: list[int]) -> list[int]:
+        """The draft model's part of ``item`` on the first stage: its drafted tokens."""
+        size, start, d = self.blocks.block_size, item.start, len(item.draft)
+        first = start - len(catchup)
+        assert catchup == tokens[first:start], "catch-up tokens are not the sequence's"
+        for pos in range(first):  # what the draft's attention reads before its new tokens
+            slot = table[pos // size] * size + pos % size
+            assert self.draft_cache.get(slot) == tuple(tokens[:pos + 1]), (
+                "the draft's cache holds another prefix")
+        real_end = start + item.num_tokens - d
+        proposal = TruthfulFor().propose(tokens[:real_end], d) if d else []
+        fed = tokens[:real_end] + proposal[:-1]  # the last draft is not fed
+        for pos in range(first, len(fed)):
+            block = item.seq.block_table[pos // size]
+            assert self.blocks.ref_count(block) == 1, "draft write into a shared block"
+            assert self.blocks.hash_of(block) is None, "draft write into a cached block"
+            self.draft_cache[self.blocks.slot(item.seq, pos)] = tuple(fed[:pos + 1])
+        return proposal
 
 
 def _expected(prompt: list[int], max_tokens: int) -> list[int]:
@@ -104,6 +136,9 @@ class TruthfulFor:
     """A test proposer: the true continuation for a number of tokens that the context
     picks (0 .. k), then a wrong token."""
 
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        return self.propose(seq.all_token_ids, k)
+
     def propose(self, tokens: list[int], k: int) -> list[int]:
         good, out = hash(tuple(tokens)) % (k + 1), []
         for _ in range(k):
@@ -116,24 +151,28 @@ class TruthfulFor:
 def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, max_tokens_step,
               arrivals, decode_steps=1, rounds_ahead=False, caching=True, aborts=(), speculate=0,
               pp=1, chunk_tokens=None, hidden_size=None, on_schedule=None,
-              balanced_decode=True):
+              balanced_decode=True, draft_model=False):
     """Run every request to its end; ``aborts``: (step, request index) pairs;
     ``speculate``: draft up to that many tokens per decode row (a proposer right for
     some of them); ``pp`` > 1: sized for that many stages (prompt chunks pipelined);
     ``chunk_tokens``, ``hidden_size``: the chunk policy's limit and cost model;
-    ``on_schedule(batch, queue)``: called with each micro-batch as it is formed."""
+    ``on_schedule(batch, queue)``: called with each micro-batch as it is formed;
+    ``draft_model``: drafts come from a (fake) draft model on the first stage."""
     blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step,
                              max_inflight=inflight, num_decode_steps=decode_steps,
                              async_scheduling=rounds_ahead,
                              long_prefill_chunk_tokens=chunk_tokens,
                              balanced_decode=balanced_decode).size_for("cpu", pp)
-    spec = SpeculativeConfig(num_speculative_tokens=speculate) if speculate else None
+    spec = None
+    if speculate:
+        spec = SpeculativeConfig(num_speculative_tokens=speculate, model="draft"
+                                 if draft_model else None)
     sched = Scheduler(config, blocks, max_model_len=10_000, speculative=spec,
                       hidden_size=hidden_size)
-    if spec is not None:
+    if spec is not None and not draft_model:
         sched.rounds.speculator.proposer = TruthfulFor()
-    pipe = FakePipeline(blocks)
+    pipe = FakePipeline(blocks, draft_model=bool(speculate and draft_model))
     # lean steps: the builder sends block-table changes, a stage's mirror resolves them
     builder, mirror = StepBuilder(sched), BlockTableMirror(block_size)
 
@@ -141,7 +180,7 @@ def _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, m
         step = builder.build(batch)
         tables = mirror.resolve(step).block_tables
         assert tables == [s.seq.block_table for s in batch.seqs]
-        return pipe.run(batch, tables, ahead)
+        return pipe.run(batch, tables, ahead, step.draft_catchup)
 
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(max_tokens=m), seed=0)
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
@@ -228,6 +267,10 @@ def _check_blocks(sched: Scheduler, blocks: BlockManager, pipe: FakePipeline) ->
             for i in range(0, len(prefix), size):
                 chain = hash_block(chain, prefix[i:i + size])
             assert blocks.hash_of(b) == chain
+            if pipe.draft_model:  # a cached block holds the draft's KV too
+                base = len(prefix) - size
+                assert all(pipe.draft_cache.get(b * size + i) == prefix[:base + i + 1]
+                           for i in range(size)), "a cached block lacks the draft's KV"
 
 
 @settings(max_examples=300, deadline=None)
@@ -242,17 +285,19 @@ def _check_blocks(sched: Scheduler, blocks: BlockManager, pipe: FakePipeline) ->
     decode_steps=st.sampled_from([1, 1, 2, 5, 8]),
     rounds_ahead=st.booleans(),
     speculate=st.sampled_from([0, 0, 1, 3]),
+    draft_model=st.booleans(),
     pipelined=st.booleans(),
     chunk_tokens=st.sampled_from([None, None, 1, 3, 8]),
     hidden_size=st.sampled_from([None, 1, 4]),
 )
 def test_scheduler_outputs_are_independent_of_scheduling(data, block_size, inflight, max_seqs,
                                                          step_tokens, spare_blocks, decode_steps,
-                                                         rounds_ahead, speculate, pipelined,
-                                                         chunk_tokens, hidden_size):
-    """Any mix of budgets, rounds, drafts, preemption, prefix hits and (``pipelined``:
-    sized for ``inflight`` stages) prompt chunks in flight together gives the outputs of
-    the sequences run alone."""
+                                                         rounds_ahead, speculate, draft_model,
+                                                         pipelined, chunk_tokens, hidden_size):
+    """Any mix of budgets, rounds, drafts (``draft_model``: from a draft model on the
+    first stage, whose cache must always hold what it reads), preemption, prefix hits and
+    (``pipelined``: sized for ``inflight`` stages) prompt chunks in flight together gives
+    the outputs of the sequences run alone."""
     prompts = [[(7 * i + j) % 50 for j in range(n)] for i, (n, _, _) in enumerate(data)]
     max_tokens = [m for _, m, _ in data]
     arrivals = sorted(a for _, _, a in data)
@@ -260,7 +305,8 @@ def test_scheduler_outputs_are_independent_of_scheduling(data, block_size, infli
     num_blocks = -(-longest // block_size) + spare_blocks
     _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs, step_tokens,
               arrivals, decode_steps, rounds_ahead, speculate=speculate,
-              pp=inflight if pipelined else 1, chunk_tokens=chunk_tokens, hidden_size=hidden_size)
+              pp=inflight if pipelined else 1, chunk_tokens=chunk_tokens, hidden_size=hidden_size,
+              draft_model=draft_model)
 
 
 def test_tight_budget_preempts_and_still_matches():
@@ -501,10 +547,11 @@ def _family_prompts(data: list[tuple[int, int, int]]) -> list[list[int]]:
     rounds_ahead=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
     speculate=st.sampled_from([0, 0, 2]),
+    draft_model=st.booleans(),
 )
 def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_seqs, step_tokens,
                                                spare_blocks, decode_steps, rounds_ahead, aborts,
-                                               speculate):
+                                               speculate, draft_model):
     """Shared prefixes, identical prompts, preemption, eviction, aborts in flight,
     multi-step and asynchronous rounds: the cache only ever supplies the right KV."""
     prompts = _family_prompts([(f, shared, own) for f, shared, own, _, _ in data])
@@ -515,7 +562,7 @@ def test_prefix_cache_hits_never_change_outputs(data, block_size, inflight, max_
     num_blocks = -(-longest // block_size) + spare_blocks
     sched, _ = _simulate(prompts, max_tokens, num_blocks, block_size, inflight, max_seqs,
                          step_tokens, arrivals, decode_steps, rounds_ahead, aborts=aborts,
-                         speculate=speculate)
+                         speculate=speculate, draft_model=draft_model)
     assert sched.prefix_cache_hits <= sched.prefix_cache_queries
 
 
@@ -696,6 +743,26 @@ def test_speculation_accepts_and_rejects_without_changing_outputs():
     plain, _ = _simulate(prompts, max_tokens, num_blocks=30, block_size=4, inflight=1,
                          max_seqs=6, max_tokens_step=64, arrivals=[0] * 6)
     assert tight.num_preemptions <= plain.num_preemptions
+
+
+def test_a_draft_model_catches_up_on_what_it_did_not_feed():
+    """Drafts from a first-stage draft model: a row whose draft is accepted whole leaves
+    the draft one position behind, and a decode round runs no draft at all; the next step
+    catches up (the fake pipeline checks the draft's cache before every draft read)."""
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(6)]
+    catchups: list[int] = []
+
+    def count(batch, queue):
+        catchups.extend(len(item.draft_catchup) for item in batch.seqs)
+
+    for decode_steps in (1, 4):
+        sched, _ = _simulate(prompts, [30, 7, 19, 25, 11, 30], num_blocks=60, block_size=4,
+                             inflight=1, max_seqs=6, max_tokens_step=64,
+                             arrivals=[0, 0, 0, 2, 4, 6], decode_steps=decode_steps,
+                             speculate=3, draft_model=True, on_schedule=count)
+        spec = sched.rounds.speculator
+        assert spec.drafted > spec.accepted > 0
+    assert max(catchups) > 1  # after a decode round of several steps
 
 
 def test_pipelined_prefill_defaults_off_only_where_stages_share_a_gpu():

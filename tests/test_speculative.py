@@ -1,10 +1,13 @@
-"""Speculative decoding: the n-gram proposer, draft-length adaptation, the last stage's
-acceptance rule, and engines with speculation against transformers and against
-themselves without it (greedy and seeded sampling), across layouts and faults."""
+"""Speculative decoding: the n-gram and draft-model proposers, draft-length adaptation,
+the last stage's acceptance rule, and engines with speculation against transformers and
+against themselves without it (greedy and seeded sampling), across layouts and faults."""
 
 from __future__ import annotations
 
 import collections
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,29 @@ from raypp.worker import verifier
 # than longer runs, so its steps verify drafts, some accepted, most not
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_llama, tiny_llama_half, tmp_path_factory) -> dict[str, str]:
+    """Draft models for ``tiny_llama``, by name: ``"self"`` (the target: every draft
+    accepted), ``"half"`` (the target's first 3 of 6 layers, its embedding, norm and LM
+    head: some drafts accepted) and ``"other"`` (another random 2-layer model with the
+    same vocabulary: hardly any accepted)."""
+    from raypp.testing.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path_factory.mktemp("draft_other"), architecture="llama",
+                            seed=9, num_layers=2)
+    return {"self": str(tiny_llama), "half": str(tiny_llama_half), "other": str(other)}
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _draft_spec(path: str, k: int) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
 
 
 # -- the proposer and the draft length ------------------------------------------------------
@@ -75,12 +101,43 @@ def test_speculative_config_errors_name_the_problem(tiny_llama):
              ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
               "prompt_lookup_min <= prompt_lookup_max"),
              ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs 'model'"),
-             ({"num_speculative_tokens": 2, "model": "small"}, "'draft_model' is not available")]
+             ({"num_speculative_tokens": 2, "method": "ngram", "model": model},
+              "'model' is for method 'draft_model'")]
     for value, message in cases:
         with pytest.raises(ValueError, match=message):
             EngineConfig.from_kwargs(model, speculative_config=value)
     config = EngineConfig.from_kwargs(model, speculative_config={"num_speculative_tokens": 2})
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2, method="ngram")
+
+
+def test_draft_model_config_checks_the_draft_against_the_target(tiny_llama, tmp_path):
+    """A missing draft, another vocabulary, too few positions and a TP split the draft
+    cannot take are refused at config time, naming the draft and the numbers."""
+    model = str(tiny_llama)
+    with pytest.raises(FileNotFoundError, match="speculative_config model .*no/such/draft"):
+        EngineConfig.from_kwargs(model, speculative_config=_draft_spec("/no/such/draft", 2))
+    bad = tmp_path / "draft"
+    shutil.copytree(tiny_llama, bad)
+    _edit_config(bad, vocab_size=500)
+    with pytest.raises(ValueError, match="has vocab_size 500, the target .* has 384"):
+        EngineConfig.from_kwargs(model, speculative_config=_draft_spec(str(bad), 2))
+    _edit_config(bad, vocab_size=384, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_position_embeddings 64, fewer than the target's "
+                                         "max_model_len 256"):
+        EngineConfig.from_kwargs(model, speculative_config=_draft_spec(str(bad), 2))
+    assert EngineConfig.from_kwargs(model, max_model_len=64, speculative_config=_draft_spec(
+        str(bad), 2)).speculative_config.draft.num_layers == 6
+    _edit_config(bad, max_position_embeddings=256, num_attention_heads=3, num_key_value_heads=3,
+                 head_dim=16)
+    with pytest.raises(ValueError, match="the draft.*num_attention_heads=3 is not divisible"):
+        EngineConfig.from_kwargs(model, tensor_parallel_size=2,
+                                 speculative_config=_draft_spec(str(bad), 2))
+    config = EngineConfig.from_kwargs(model, dtype="bfloat16",
+                                      speculative_config=_draft_spec(model, 3))
+    spec = config.speculative_config
+    assert spec.method == "draft_model" and spec.draft.torch_dtype == torch.bfloat16
+    assert SpeculativeConfig.of({"num_speculative_tokens": 1, "model": model}).method == (
+        "draft_model")
 
 
 # -- the acceptance rule ----------------------------------------------------------------------
@@ -176,12 +233,80 @@ def test_greedy_with_speculation_equals_transformers(ray_cluster, tiny_llama, la
                for m in metrics if m["spec_verifications"])
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluster, tiny_llama, pp):
+@pytest.mark.parametrize("pp, plane, k, draft, extra", [
+    (1, "cgraph", 3, "self", {}),
+    (1, "cgraph", 3, "other", {"num_decode_steps": 4}),
+    (1, "cgraph", 3, "half", {"tensor_parallel_size": 2}),
+    (2, "cgraph", 1, "self", {}),
+    (2, "cgraph", 3, "half", {}),
+    (2, "cgraph", 5, "self", {}),
+    (3, "cgraph", 3, "self", {}),
+    (2, "direct", 3, "other", {}),
+    (3, "direct", 5, "half", {}),
+], ids=["pp1-k3-self", "pp1-k3-other-rounds", "tp2-k3-half", "pp2-k1-self", "pp2-k3-half",
+        "pp2-k5-self", "pp3-k3-self", "pp2-direct-k3-other", "pp3-direct-k5-half"])
+def test_greedy_with_a_draft_model_equals_transformers(ray_cluster, tiny_llama, drafts, pp,
+                                                       plane, k, draft, extra):
+    """The first stage's draft model proposes, the pipeline verifies: outputs are
+    transformers' greedy tokens whatever the draft. The target as its own draft has
+    (nearly) every draft accepted, which only a draft that ran on every prompt and
+    accepted token can; the others are accepted partly (``half``, TP-split like the
+    target under tp 2) or hardly (``other``, whose misses pause drafting: with decode
+    rounds those rows run rounds, which the draft skips and catches up on)."""
+    with LLM(str(tiny_llama), max_num_seqs=4, pipeline_parallel_size=pp, control_plane=plane,
+             speculative_config=_draft_spec(drafts[draft], k), **extra) as llm:
+        prompts = _prompts(llm)
+        outs = _generate(llm, prompts, GREEDY)
+        stats = llm.engine.stats
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 24)
+    metrics = [o.metrics for o in outs]
+    assert sum(m["spec_drafted_tokens"] for m in metrics) == stats.spec_drafted_tokens > 0
+    assert sum(m["spec_accepted_tokens"] for m in metrics) == stats.spec_accepted_tokens
+    if draft == "self":
+        assert all(m["spec_acceptance_rate"] > 0.9 for m in metrics), metrics
+        assert all(m["spec_mean_accepted_length"] > 0.9 * (k + 1) for m in metrics), metrics
+    elif draft == "half":
+        assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
+    else:
+        assert stats.spec_accepted_tokens < 0.2 * stats.spec_drafted_tokens
+
+
+def test_the_draft_model_sees_chunked_prompts_and_cached_prefixes(ray_cluster, tiny_llama,
+                                                                 drafts):
+    """pp = 2, prompts prefilled in 16-token chunks (pipelined), then asked again (their
+    leading blocks now come from the prefix cache): the target as its own draft accepts
+    (nearly) everything both times, so the draft's KV held every prompt token, cached
+    blocks' included; outputs equal transformers'. Stage 0 holds the draft's KV beside
+    its own, so it has fewer blocks than stage 1, and the start-up table says why."""
+    from raypp.executor.stage_pool import format_stage_table
+
+    # a byte budget (the default CPU budget is capped at what max_num_seqs sequences can
+    # fill, which both stages reach here): blocks then follow each stage's block bytes
+    with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_batched_tokens=16,
+             kv_cache_memory_bytes=8 * 2**20,
+             speculative_config=_draft_spec(drafts["self"], 3)) as llm:
+        prompts = corpus_prompts(llm.get_tokenizer(), [40, 57])
+        want = hf_greedy(tiny_llama, prompts, 24)
+        for run in range(2):
+            outs = _generate(llm, prompts, GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert all(o.metrics["spec_acceptance_rate"] > 0.9 for o in outs)
+            assert [o.num_cached_tokens > 0 for o in outs] == [run == 1] * 2
+        assert llm.engine.scheduler.num_overlapped_chunks > 0
+        summary = llm.engine.executor.pool.stage_summary
+    assert summary[0]["draft"]["layers"] == 6 and summary[1]["draft"] is None
+    assert summary[0]["kv_blocks"] < summary[1]["kv_blocks"]
+    assert "stage 0 also runs the draft model" in format_stage_table(summary, 0)
+
+
+@pytest.mark.parametrize("pp, proposer", [(1, "ngram"), (2, "ngram"), (2, "draft")])
+def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluster, tiny_llama,
+                                                                      drafts, pp, proposer):
     """Seeded sampling with logprobs, n = 2, stop strings, stop ids and max_tokens: token
-    for token, logprob for logprob what the same engine samples without speculation."""
+    for token, logprob for logprob what the same engine samples without speculation
+    (drafts from prompt lookup, or from the target's first half as a draft model)."""
     outs = {}
-    for spec in (None, NGRAM):
+    for spec in (None, NGRAM if proposer == "ngram" else _draft_spec(drafts["half"], 3)):
         with LLM(str(tiny_llama), max_num_seqs=6, pipeline_parallel_size=pp, seed=5,
                  speculative_config=spec) as llm:
             prompts = _prompts(llm)
@@ -198,16 +323,19 @@ def test_seeded_sampling_and_stops_equal_decoding_without_speculation(ray_cluste
                                     c.logprobs and [sorted(lp) for lp in c.logprobs])
                                    for c in o.outputs] for o in got]
             if spec:
-                assert llm.engine.stats.spec_drafted_tokens > 0
+                assert llm.engine.stats.spec_accepted_tokens > 0
     assert outs[False] == outs[True]
 
 
-def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llama):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llama, drafts,
+                                                          proposer):
     """Few cache blocks: drafts never preempt anyone, and preempted sequences come back
-    with the same outputs."""
+    with the same outputs (a draft model's KV recomputed with the target's)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["half"], 3)
     with LLM(str(tiny_llama), max_model_len=64, block_size=8, num_blocks_override=12,
-             max_num_seqs=8, speculative_config=NGRAM) as llm:
+             max_num_seqs=8, speculative_config=spec) as llm:
         prompts = corpus_prompts(llm.get_tokenizer(), [8, 9, 11, 13, 15, 17])
         outs = [o.outputs[0].token_ids for o in _generate(llm, prompts, params)]
         engine = llm.engine
@@ -216,13 +344,17 @@ def test_preemption_with_speculation_keeps_greedy_outputs(ray_cluster, tiny_llam
     assert outs == hf_greedy(tiny_llama, prompts, 30)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray_cluster,
-                                                                             tiny_llama):
+                                                                             tiny_llama, drafts,
+                                                                             proposer):
     """Step 1 is the first decode step, and every prompt ends in a token it already
-    holds, so it verifies drafts: a fault in the last stage there fails that step's
-    requests; the requests after it, drafted and verified again, equal transformers."""
+    holds, so it verifies drafts (a draft model drafts on every decode step): a fault in
+    the last stage there fails that step's requests; the requests after it, drafted and
+    verified again, equal transformers."""
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["self"], 3)
     with LLM(str(tiny_llama), pipeline_parallel_size=2, max_num_seqs=3, max_inflight=1,
-             speculative_config=NGRAM, fault_inject="raise:1:1") as llm:
+             speculative_config=spec, fault_inject="raise:1:1") as llm:
         text = corpus_prompts(llm.get_tokenizer(), [6, 9])
         # each ends in a token it holds already: the first decode step drafts
         prompts = [[3] * 8, [100] * 12, text[0] + text[0][:2], [3] * 9, [100] * 13,
@@ -239,13 +371,18 @@ def test_a_stage_fault_mid_verification_fails_its_step_and_the_next_is_exact(ray
         assert blocks.num_free == blocks.num_blocks and llm.is_healthy()
 
 
-@pytest.mark.parametrize("plane", ["cgraph", "direct"])
-def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
+@pytest.mark.parametrize(("plane", "proposer"), [("cgraph", "ngram"), ("direct", "ngram"),
+                                                  ("cgraph", "draft"), ("direct", "draft")])
+def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, drafts, plane, proposer):
     """pp=2, every step a verification: stage 0 stalls on step 3 and stage 1 is killed
     meanwhile. No request is lost: each is re-queued and continues to transformers'
-    output; the replaced stages verify drafts again, exactly."""
+    output; the replaced stages verify drafts again, exactly. With a draft model, the
+    replaced stage 0's draft cache starts empty: the re-queued sequences' draft KV count
+    restarts with their tables, so the recompute refills it (nearly every draft of the
+    target as its own draft is accepted again)."""
+    spec = NGRAM if proposer == "ngram" else _draft_spec(drafts["self"], 3)
     with LLM(str(tiny_llama), pipeline_parallel_size=2, control_plane=plane, max_restarts=5,
-             speculative_config=NGRAM, fault_inject="sleep:0:3:4") as llm:
+             speculative_config=spec, fault_inject="sleep:0:3:4") as llm:
         prompts = [[3] * 8, [100] * 12]  # repeated tokens: every decode step drafts
         killer = kill_stage_later(llm, 1, 1.5)
         got = _generate(llm, prompts, GREEDY)  # zero-loss recovery: re-queued, exact
@@ -255,6 +392,34 @@ def test_a_stage_killed_mid_verification(ray_cluster, tiny_llama, plane):
         again = _generate(llm, prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in again] == hf_greedy(tiny_llama, prompts, 24)
         assert llm.engine.restarts == 1 and llm.engine.stats.spec_accepted_tokens > accepted
+        if proposer == "draft":
+            assert all(o.metrics["spec_acceptance_rate"] > 0.9 for o in again)
+
+
+def test_a_draft_model_loads_fp8_checkpoints_and_follows_the_fp8_kv_cache(ray_cluster,
+                                                                         tiny_llama, tmp_path):
+    """The draft is loaded as the target would be: a block-FP8 copy of the target (its
+    own format, dequantized at load on CPU; read without its scales it would not load)
+    drafts much of what the target samples (a random tiny model's near-ties part them), and
+    with ``kv_cache_dtype="fp8"`` its cache takes one byte an element too. Greedy outputs
+    equal the same engine's without speculation."""
+    from raypp.testing.fp8_checkpoint import quantize_checkpoint
+
+    draft = quantize_checkpoint(tiny_llama, tmp_path / "draft_fp8", "block")
+    outs, summary = {}, None
+    for spec in (None, _draft_spec(str(draft), 3)):
+        with LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory_bytes=8 * 2**20,
+                 speculative_config=spec) as llm:
+            prompts = corpus_prompts(llm.get_tokenizer(), [9, 30])
+            got = _generate(llm, prompts, GREEDY)
+            outs[spec is None] = [o.outputs[0].token_ids for o in got]
+            if spec is not None:
+                summary = llm.engine.executor.pool.stage_summary
+                assert all(o.metrics["spec_acceptance_rate"] > 0.3 for o in got), \
+                    [o.metrics["spec_acceptance_rate"] for o in got]
+    assert outs[True] == outs[False]
+    # tiny_llama: 6 layers × 2 × 16 tokens × 2 kv heads × 16 dims per block, e4m3
+    assert summary[0]["draft"]["block_bytes"] == 6 * 2 * 16 * 2 * 16
 
 
 def test_constrained_and_biased_rows_ride_along_in_verify_steps(ray_cluster, tiny_llama):

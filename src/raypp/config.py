@@ -327,9 +327,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-        if self.speculative_config and self.speculative_config.method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not available yet: "
-                             "use 'ngram'")
+        if self.speculative_config is not None:
+            self.speculative_config.bind(self.model)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check_choice("device", self.device, ("cpu", "cuda"))
@@ -353,6 +352,12 @@ class EngineConfig:
                 "stage again; use num_decode_steps=1 with pipeline parallelism"
             )
         _check_tp_divisibility(self.model, self.parallel.tensor_parallel_size)
+        draft = self.speculative_config.draft if self.speculative_config else None
+        if draft is not None:  # the first stage's TP ranks split the draft as they split it
+            try:
+                _check_tp_divisibility(draft, self.parallel.tensor_parallel_size)
+            except ValueError as e:
+                raise ValueError(f"speculative_config model (the draft): {e}") from None
         # Validates the split now, in the caller's process, with a clear error.
         self.stage_layers()
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from raypp.model_config import ModelConfig
 
 METHODS = ("ngram", "draft_model")
 
@@ -20,6 +22,10 @@ class SpeculativeConfig:
     ``num_speculative_tokens``: the most tokens drafted per sequence and step; with
     ``adaptive`` (default) each sequence's draft length follows its recent acceptance
     (:mod:`raypp.engine.speculative`). Invalid values raise ``ValueError`` naming the key.
+
+    With ``"draft_model"``, :meth:`bind` (which :class:`~raypp.config.EngineConfig` calls)
+    checks the draft against the target and sets :attr:`draft`, the draft's
+    :class:`~raypp.model_config.ModelConfig` in the target's dtype.
     """
 
     num_speculative_tokens: int
@@ -28,6 +34,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None
     adaptive: bool = True
+    # the draft model's config, set by bind() (method "draft_model" only)
+    draft: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -52,6 +60,36 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config adaptive must be True or False, "
                              f"got {self.adaptive!r}")
 
+    def bind(self, target: ModelConfig) -> None:
+        """Check the draft model against ``target`` and load its config into
+        :attr:`draft` (method ``"draft_model"``; nothing otherwise).
+
+        Raises ``FileNotFoundError`` naming ``model`` when it is not a checkpoint, and
+        ``ValueError`` when its vocabulary size differs from the target's (naming both)
+        or its positions end before the target's ``max_model_len``.
+        """
+        if self.method != "draft_model":
+            return
+        assert self.model is not None
+        dtype = str(target.torch_dtype).removeprefix("torch.")  # the target's, as a name
+        try:
+            # resolved like the target's name (a path, "demo" or a Hub id, in its cache dir)
+            draft = ModelConfig(self.model, dtype=dtype, cache_dir=target.cache_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"speculative_config model (the draft): {e}") from None
+        except ValueError as e:
+            raise ValueError(f"speculative_config model (the draft): {e}") from None
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config model {self.model!r} has vocab_size "
+                             f"{draft.vocab_size}, the target {target.model!r} has "
+                             f"{target.vocab_size}: a draft must share the target's vocabulary")
+        if draft.max_position_embeddings < target.max_model_len:
+            raise ValueError(f"speculative_config model {self.model!r} has "
+                             f"max_position_embeddings {draft.max_position_embeddings}, fewer "
+                             f"than the target's max_model_len {target.max_model_len}: lower "
+                             "max_model_len")
+        self.draft = draft
+
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
         """``value`` as a config: a dict's keys are checked (an unknown one is a
@@ -60,7 +98,7 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; "

@@ -21,6 +21,10 @@ decided by the engine's scheduler (:mod:`raypp.engine.rounds`); no stage re-deri
   them, accepts the draft while it equals those samples, and returns the accepted
   tokens plus the first sample that differs (or the one after the draft)
   (:mod:`raypp.worker.verifier`).
+  With a draft model (:mod:`raypp.worker.draft_runner`) the driver sends the draft's
+  positions as placeholders: the first stage's draft model writes its tokens there
+  before the target runs, and they travel on with the activations
+  (:attr:`StageHandoff.drafts`), so every later stage verifies the same draft.
 - ``DECODE_ROUND`` (a one-stage pipeline only): every row feeds one token and samples
   the next, ``num_steps`` times back to back, each sampled token fed back as the next
   input on the device; the last step's tokens stay on the device. A round that
@@ -62,7 +66,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -135,6 +139,9 @@ class StepInput:
     mode: StepMode = StepMode.FORWARD
     # VERIFY only: per sampled row, how many of its last input tokens are drafted
     draft_lens: list[int] = field(default_factory=list)
+    # with a draft model, per row (or empty: none anywhere): tokens right before the row's
+    # first input position whose KV the first stage's draft model lacks; it feeds them first
+    draft_catchup: list[list[int]] = field(default_factory=list)
     # DECODE_ROUND only: decode steps to run back to back
     num_steps: int = 1
     # DECODE_ROUND only: step id of the round this one continues; input id r is that
@@ -230,13 +237,17 @@ class StageHandoff:
 
     step: StepInput
     packed: torch.Tensor  # [2, tokens, hidden]
+    # a VERIFY step's drafted tokens, when the first stage's draft model made them: per
+    # sampled row in order, its draft_lens[r] tokens, flat (they replace the step's
+    # placeholders on every later stage); None otherwise
+    drafts: list[int] | None = None
 
     @classmethod
     def pack(cls, step: StepInput, hidden_states: torch.Tensor,
-             residual: torch.Tensor) -> StageHandoff:
+             residual: torch.Tensor, drafts: list[int] | None = None) -> StageHandoff:
         import torch
 
-        return cls(step, torch.stack((hidden_states, residual)))
+        return cls(step, torch.stack((hidden_states, residual)), drafts)
 
     @property
     def hidden_states(self) -> torch.Tensor:  # [tokens, hidden]
@@ -246,11 +257,15 @@ class StageHandoff:
     def residual(self) -> torch.Tensor:  # [tokens, hidden]
         return self.packed[1]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors to send point to point (``GroupCoordinator.send_tensor_dict``)."""
-        return {"packed": self.packed}
+    def tensors(self) -> dict[str, Any]:
+        """What to send point to point (``GroupCoordinator.send_tensor_dict``): the
+        activations, and the drafts (a plain list: it rides with the metadata)."""
+        out: dict[str, Any] = {"packed": self.packed}
+        if self.drafts is not None:
+            out["drafts"] = self.drafts
+        return out
 
     @classmethod
-    def from_tensors(cls, step: StepInput, tensors: dict[str, torch.Tensor]) -> StageHandoff:
+    def from_tensors(cls, step: StepInput, tensors: dict[str, Any]) -> StageHandoff:
         """Inverse of :meth:`tensors`, given the step descriptor."""
-        return cls(step, tensors["packed"])
+        return cls(step, tensors["packed"], tensors.get("drafts"))

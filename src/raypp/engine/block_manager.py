@@ -103,6 +103,8 @@ class BlockManager:
             seq.block_table = list(cached)
             seq.num_registered_blocks = len(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
+            if seq.num_draft_computed is not None:  # a cached block holds the draft's KV too
+                seq.num_draft_computed = seq.num_computed_tokens
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block, _ = self._free.popitem(last=False)
             evicted = self._hash_of[block]
@@ -129,6 +131,8 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        if seq.num_draft_computed is not None:
+            seq.num_draft_computed = 0
         seq.num_registered_blocks = 0
 
     def drain_freed(self) -> list[int]:
@@ -166,11 +170,15 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> None:
         """Offer ``seq``'s full blocks whose KV is computed (and whose tokens are
-        known) to the cache. A block whose content is already cached under another
-        block is left out: the first one computed serves later sequences."""
+        known; with a draft model, whose draft KV is computed too) to the cache. A
+        block whose content is already cached under another block is left out: the
+        first one computed serves later sequences."""
         if not self.enable_caching:
             return
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        computed = seq.num_computed_tokens
+        if seq.num_draft_computed is not None:  # and the draft's KV (Sequence docstring)
+            computed = min(computed, seq.num_draft_computed)
+        full = min(computed, seq.num_tokens) // self.block_size
         start = seq.num_registered_blocks
         if full <= start:
             return

@@ -18,6 +18,9 @@ class ScheduledSeq:
     # drafted tokens fed after the sequence's last one, for the target to verify
     # (raypp.engine.speculative); the row then samples len(draft) + 1 positions
     draft: list[int] = field(default_factory=list)
+    # with a draft model: tokens before ``start`` the first stage's draft must feed first
+    # (raypp.engine.draft_proposer; set when launched)
+    draft_catchup: list[int] = field(default_factory=list)
 
     @property
     def first_sampled(self) -> int:

@@ -33,6 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from raypp.config import ROUND_TARGET_S, SchedulerConfig
+from raypp.engine.draft_proposer import DraftModelProposer
 from raypp.engine.speculative import Speculator
 from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
@@ -83,6 +84,11 @@ class RoundPolicy:
         """Drafted tokens for decode row ``seq`` (at most ``limit``); none without
         speculative decoding."""
         return [] if self.speculator is None else self.speculator.draft(seq, limit)
+
+    @property
+    def draft_model(self) -> DraftModelProposer | None:
+        """The draft-model proposer, when the first stage runs a draft model."""
+        return None if self.speculator is None else self.speculator.draft_model
 
     def observe_draft(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``seq`` accepted ``accepted`` of ``drafted`` tokens."""

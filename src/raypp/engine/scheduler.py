@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from raypp.config import SchedulerConfig
+from raypp.engine import draft_proposer
 from raypp.engine.block_manager import BlockManager
 from raypp.engine.chunking import ChunkPolicy
 from raypp.engine.micro_batch import MicroBatch, ScheduledSeq
@@ -60,6 +61,8 @@ class Scheduler:
     # -- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if self.rounds.draft_model is not None:
+            self.rounds.draft_model.start(seq)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -205,8 +208,11 @@ class Scheduler:
     def _launch(self, batch: MicroBatch) -> MicroBatch:
         """Count ``batch`` in flight, and each sequence's positions it feeds."""
         self.num_inflight_batches += 1
+        drafting = self.rounds.draft_model is not None
         for item in batch.seqs:
             item.seq.num_inflight_tokens += batch.span(item)
+            if drafting:
+                draft_proposer.launch(item, batch)
         return batch
 
     def room(self, seq: Sequence, ahead: int = 0) -> int:
@@ -315,6 +321,9 @@ class Scheduler:
                     self.rounds.observe_draft(seq, len(item.draft), accepted)
                     span -= len(item.draft) - accepted  # rejected positions recompute
                 seq.num_computed_tokens += span
+                draft_proposer.settle(seq)
                 # most decode steps fill no block: skip the call (this runs per row per step)
                 if caching and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
                     self.blocks.register(seq)
+            else:
+                draft_proposer.settle(seq)

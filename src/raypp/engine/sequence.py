@@ -48,6 +48,11 @@ class Sequence:
     appending, until the blocks are freed; ``block_epoch`` counts those frees, so a
     table of another epoch is another table (what the stages hold is tracked by
     :class:`~raypp.engine.step_builder.StepBuilder`).
+
+    With a draft model (:mod:`raypp.engine.draft_proposer`), ``num_draft_computed`` is
+    how many leading tokens' KV the draft's cache holds in the same blocks (at most
+    ``num_computed_tokens`` once nothing is in flight; ``None`` without a draft model);
+    only blocks both caches hold are offered to the prefix cache.
     """
 
     seq_id: int
@@ -61,6 +66,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_epoch: int = 0  # bumped each time the blocks are freed (BlockManager.free)
     num_computed_tokens: int = 0
+    num_draft_computed: int | None = None  # with a draft model (docstring)
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None

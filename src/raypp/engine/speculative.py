@@ -21,18 +21,22 @@ the accepted count otherwise; after ``MISSES_BEFORE_PAUSE`` verifications in a r
 that accept nothing, it drafts nothing for ``PAUSE_SCHEDULINGS`` schedulings, then
 tries again.
 
-Proposers: :class:`NgramProposer` (prompt lookup) runs here. A draft model would run
-on the first stage's worker (its own KV blocks beside the target's, indexed by the
-same block tables); heads that draft from the target's hidden states (EAGLE, MTP) would
-run on the last stage, after sampling, and return their draft with the step's tokens
-for the next step to verify. Both fit the same step shape: rows ending in drafted
-tokens, ``StepInput.draft_lens``.
+Proposers: :class:`NgramProposer` (prompt lookup) runs here. A draft model
+(:class:`~raypp.engine.draft_proposer.DraftModelProposer`) runs on the first stage's
+worker, at the start of the step that verifies its draft (its own KV blocks beside the
+target's, indexed by the same block tables; :mod:`raypp.engine.draft_proposer` and
+:mod:`raypp.worker.draft_runner`): here it drafts placeholders, which that stage fills.
+Heads that draft from the target's hidden states (EAGLE, MTP) would run on the last
+stage, after sampling, and return their draft with the step's tokens for the next step
+to verify. All fit the same step shape: rows ending in drafted tokens,
+``StepInput.draft_lens``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from raypp.engine.draft_proposer import DraftModelProposer
 from raypp.engine.sequence import DraftStats, Sequence
 from raypp.speculative_config import SpeculativeConfig
 
@@ -59,6 +63,10 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens continuing ``seq``'s prompt and output."""
+        return self.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens`` (empty if no n-gram recurs)."""
         length = len(tokens)
@@ -82,7 +90,10 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.adaptive = config.adaptive
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # the first stage's draft model, or prompt lookup here
+        self.draft_model = DraftModelProposer() if config.method == "draft_model" else None
+        self.proposer: DraftModelProposer | NgramProposer = (
+            self.draft_model or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         self.verifications = 0  # rows verified with a draft, since start-up
         self.drafted = 0  # tokens drafted and verified
         self.accepted = 0  # of which accepted
@@ -101,7 +112,7 @@ class Speculator:
         n = min(stats.cap, limit)
         if n <= 0:
             return []
-        return self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, n)
+        return self.proposer.draft(seq, n)
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``seq`` accepted ``accepted`` of its ``drafted`` tokens."""

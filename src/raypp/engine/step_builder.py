@@ -75,6 +75,7 @@ class StepBuilder:
                     draft_lens.append(len(item.draft))
                 if seq.params.uses_penalties:
                     self._add_history(seq, histories)
+        catchup = [item.draft_catchup for item in batch.seqs]
         continue_rows = []
         if continued is not None:
             row_of = {item.seq.seq_id: r for r, item in enumerate(continued.seqs)}
@@ -93,6 +94,7 @@ class StepBuilder:
             penalty_history_updates=histories,
             mode=batch.mode,
             draft_lens=draft_lens,
+            draft_catchup=catchup if any(catchup) else [],
             num_steps=batch.num_steps,
             continues=None if continued is None else continued.step_id,
             continue_rows=continue_rows,

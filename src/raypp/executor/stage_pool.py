@@ -82,7 +82,8 @@ def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],
     """Per stage: ``layers`` ``[start, end)``, ``weight_bytes`` (its largest TP rank's
     parameters as held), ``checkpoint_bytes`` (the most any of its TP ranks read from the
     checkpoint: FP8 weights and their scales where the checkpoint is FP8), ``kv_blocks``
-    (the fewest any of its TP ranks can hold) and the ``weight_format``, from the workers'
+    (the fewest any of its TP ranks can hold), the ``weight_format`` and ``draft`` (the
+    first stage's draft model's load report, else ``None``), from the workers'
     ``load_model`` reports and KV budgets in rank order."""
     out = []
     for start in range(0, len(load_info), tp_size):
@@ -91,7 +92,8 @@ def stage_summary(load_info: list[dict[str, Any]], kv_blocks: list[int],
                     "weight_bytes": max(r["weight_bytes"] for r in ranks),
                     "checkpoint_bytes": max(r["bytes_read"] for r in ranks),
                     "kv_blocks": min(kv_blocks[start:start + tp_size]),
-                    "weight_format": ranks[0].get("weight_format", "16/32-bit")})
+                    "weight_format": ranks[0].get("weight_format", "16/32-bit"),
+                    "draft": ranks[0].get("draft")})
     return out
 
 
@@ -110,6 +112,13 @@ def format_stage_table(summary: list[dict[str, Any]], smallest: int) -> str:
     lines.append(f"engine KV capacity = min over stages = {summary[smallest]['kv_blocks']} blocks "
                  f"(stage {smallest})")
     lines.append(f"weights: {summary[0].get('weight_format', '16/32-bit')}")
+    for row in summary:
+        draft = row.get("draft")
+        if draft:
+            lines.append(f"stage {row['stage']} also runs the draft model {draft['path']} "
+                         f"({draft['layers']} layers, {_bytes(draft['weight_bytes'])} of weights "
+                         f"besides the stage's, {_bytes(draft['block_bytes'])} of each KV "
+                         "block: the stage's KV blocks count both caches)")
     return "\n".join(lines)
 
 

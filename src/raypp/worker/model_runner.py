@@ -23,6 +23,7 @@ from raypp.step import ResolvedStep, StageHandoff, StepInput, StepMode, StepOutp
 from raypp.worker.block_tables import BlockTableMirror
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
+from raypp.worker.draft_runner import DraftRunner, with_drafts
 from raypp.worker.penalty_history import PenaltyHistoryMirror
 from raypp.worker.sampler import SamplingTensors, sample
 from raypp.worker.verifier import verified_rows, verify
@@ -36,7 +37,9 @@ class ModelRunner:
     on the device, for a round that ``continues`` it (asynchronous scheduling), and
     this stage's copy of every running sequence's block table (``block_tables``).
     ``on_progress`` is called as the eager forward advances (each layer, each block of a
-    long attention): the stage's progress counter (:mod:`raypp.worker.progress`).
+    long attention): the stage's progress counter (:mod:`raypp.worker.progress`). On the
+    first stage with a draft model, ``draft`` runs it ahead of the target on each step
+    (:mod:`raypp.worker.draft_runner`).
     """
 
     def __init__(self, model: StageModel, kv_caches: list[torch.Tensor],
@@ -52,6 +55,7 @@ class ModelRunner:
         self.penalty_history = PenaltyHistoryMirror()  # used on the last stage only
         # (step id, its last sampled ids on the device) of the latest decode round
         self._last_round: tuple[int, torch.Tensor] | None = None
+        self.draft: DraftRunner | None = None  # the first stage's draft model, if any
 
     def execute(self, step: StepInput, handoff: StageHandoff | None
                 ) -> StageHandoff | StepOutput:
@@ -59,6 +63,13 @@ class ModelRunner:
         previous, self._last_round = self._last_round, None  # only the next step may continue it
         resolved = self.block_tables.resolve(step)  # first: every step updates the mirror
         stage = self.model.stage
+        # a VERIFY step's drafts: the first stage's draft model makes them (it runs on every
+        # step but a decode round, keeping its KV in step), later stages get them handed on
+        drafts = None if handoff is None else handoff.drafts
+        if self.draft is not None and step.mode is not StepMode.DECODE_ROUND:
+            drafts = self.draft.run(resolved)
+        if drafts is not None:
+            resolved.input_ids = with_drafts(resolved, drafts)
         if stage.is_last:  # every step updates the history mirror too
             resolved.sampling = self.penalty_history.resolve(step)
         if step.mode is StepMode.DECODE_ROUND:
@@ -68,7 +79,7 @@ class ModelRunner:
             return self._decode_round(resolved, previous)
         if not stage.is_last:
             hidden, residual = self._forward(resolved, handoff)
-            return StageHandoff.pack(step, hidden, residual)  # the lean step travels on
+            return StageHandoff.pack(step, hidden, residual, drafts)  # the lean step travels on
         if step.mode is StepMode.VERIFY:
             logits = self._logits(resolved, handoff, verified_rows(resolved))
             assert logits is not None

@@ -35,6 +35,7 @@ from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
+from raypp.worker.draft_runner import DraftModel
 from raypp.worker.faults import FaultInjector
 from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
@@ -74,6 +75,7 @@ class StageWorker:
         start, end = config.stage_layers()[pp_rank]
         self.stage = StageSpec(start, end, pp_rank == 0, pp_rank == self.layout.pp_size - 1)
         self.model: Any = None
+        self.draft: DraftModel | None = None  # the first stage's draft model (load_model)
         self.runner: ModelRunner | None = None  # made in init_kv_cache
         self.timeline: list[tuple[int, float, float]] = []
         self.occupancy = StageOccupancy(self.pp_rank)
@@ -117,10 +119,12 @@ class StageWorker:
                                     quant=mc.quant_config)
         self.model.eval()
         quant = mc.quant_config
+        self.draft = DraftModel.load(self.config, self.stage, self.device, tp)
         return {
             "weight_format": ("16/32-bit" if quant is None else quant.describe()
                               + ("" if fp8 else "; held dequantized to "
                                  + str(mc.torch_dtype).replace("torch.", ""))),
+            "draft": None if self.draft is None else self.draft.report,
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "layers": [self.stage.start, self.stage.end],
@@ -133,7 +137,8 @@ class StageWorker:
     def kv_block_bytes(self) -> int:
         kv_heads, head_dim = self.model.kv_cache_layout()
         per_layer = 2 * self.config.cache.block_size * kv_heads * head_dim
-        return per_layer * self.model.num_layers * self.kv_dtype.itemsize
+        draft = 0 if self.draft is None else self.draft.kv_block_bytes(self.config.cache.block_size)
+        return per_layer * self.model.num_layers * self.kv_dtype.itemsize + draft
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -203,6 +208,9 @@ class StageWorker:
         tick = self._advance if self._fault.in_forward else self._progress.tick
         self.runner = ModelRunner(self.model, kv_caches, graphs, self.device,
                                   self.config.cache.block_size, on_progress=tick)
+        if self.draft is not None:  # its own blocks, as many as the target's
+            self.runner.draft = self.draft.runner(num_blocks, self.config.cache.block_size,
+                                                  self.device, on_progress=tick)
 
     @property
     def decode_graphs(self) -> Any:
