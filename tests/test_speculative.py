@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -110,9 +111,10 @@ def test_speculative_config_errors_name_the_problem(tiny_llama):
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2, method="ngram")
 
 
-def test_draft_model_config_checks_the_draft_against_the_target(tiny_llama, tmp_path):
-    """A missing draft, another vocabulary, too few positions and a TP split the draft
-    cannot take are refused at config time, naming the draft and the numbers."""
+def test_draft_model_config_checks_the_draft_against_the_target(tiny_llama, tmp_path, caplog):
+    """A missing draft, another vocabulary, too few positions for a given max_model_len
+    and a TP split the draft cannot take are refused at config time, naming the draft and
+    the numbers; with no max_model_len given, the draft's positions lower it."""
     model = str(tiny_llama)
     with pytest.raises(FileNotFoundError, match="speculative_config model .*no/such/draft"):
         EngineConfig.from_kwargs(model, speculative_config=_draft_spec("/no/such/draft", 2))
@@ -123,8 +125,13 @@ def test_draft_model_config_checks_the_draft_against_the_target(tiny_llama, tmp_
         EngineConfig.from_kwargs(model, speculative_config=_draft_spec(str(bad), 2))
     _edit_config(bad, vocab_size=384, max_position_embeddings=64)
     with pytest.raises(ValueError, match="max_position_embeddings 64, fewer than the target's "
-                                         "max_model_len 256"):
-        EngineConfig.from_kwargs(model, speculative_config=_draft_spec(str(bad), 2))
+                                         "max_model_len 100"):
+        EngineConfig.from_kwargs(model, max_model_len=100,
+                                 speculative_config=_draft_spec(str(bad), 2))
+    with caplog.at_level(logging.WARNING, logger="raypp.speculative_config"):
+        config = EngineConfig.from_kwargs(model, speculative_config=_draft_spec(str(bad), 2))
+    assert config.model.max_model_len == 64  # none given: the draft's positions bound it
+    assert "max_model_len lowered from the target's 256 to 64" in caplog.text
     assert EngineConfig.from_kwargs(model, max_model_len=64, speculative_config=_draft_spec(
         str(bad), 2)).speculative_config.draft.num_layers == 6
     _edit_config(bad, max_position_embeddings=256, num_attention_heads=3, num_key_value_heads=3,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from raypp.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft_model")
 
@@ -66,7 +69,9 @@ class SpeculativeConfig:
 
         Raises ``FileNotFoundError`` naming ``model`` when it is not a checkpoint, and
         ``ValueError`` when its vocabulary size differs from the target's (naming both)
-        or its positions end before the target's ``max_model_len``.
+        or its positions end before a ``max_model_len`` the user gave. With none given,
+        the target's ``max_model_len`` is lowered to the draft's positions (one WARNING
+        naming both numbers).
         """
         if self.method != "draft_model":
             return
@@ -83,7 +88,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model {self.model!r} has vocab_size "
                              f"{draft.vocab_size}, the target {target.model!r} has "
                              f"{target.vocab_size}: a draft must share the target's vocabulary")
-        if draft.max_position_embeddings < target.max_model_len:
+        positions = draft.max_position_embeddings
+        if positions < target.max_model_len and target.fit_max_model_len(positions):
+            logger.warning("max_model_len lowered from the target's %d to %d: the draft %r "
+                           "has %d positions (pass max_model_len to choose, or a draft with "
+                           "more positions)", target.max_position_embeddings, positions,
+                           self.model, positions)
+        if positions < target.max_model_len:
             raise ValueError(f"speculative_config model {self.model!r} has "
                              f"max_position_embeddings {draft.max_position_embeddings}, fewer "
                              f"than the target's max_model_len {target.max_model_len}: lower "
