@@ -43,6 +43,7 @@ from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
+from raypp.model_source import checkpoint_on_this_node
 from raypp.step import ResolvedStep, StepInput, StepMode
 from raypp.worker.kv_memory import zeros
 
@@ -65,8 +66,6 @@ class DraftModel:
         format, as the target's would be; a Hub id fetched on this node as the target's
         is); ``None`` unless ``stage`` is the first and ``config`` asks for a draft model.
         Its KV cache takes the target's ``kv_cache_dtype``."""
-        from raypp.worker.worker import _checkpoint_on_this_node
-
         spec = config.speculative_config
         draft = spec.draft if spec is not None else None
         if draft is None or not stage.is_first:
@@ -76,7 +75,7 @@ class DraftModel:
         with torch.device(device):
             model = model_class(draft.architecture)(draft.hf_config, whole, tp, draft.torch_dtype,
                                                     attention_backend(device), quant=fp8)
-        load_stage_weights(model, *_checkpoint_on_this_node(draft), quant=draft.quant_config)
+        load_stage_weights(model, *checkpoint_on_this_node(draft), quant=draft.quant_config)
         model.eval()
         out = cls(model, draft.model, config.cache.kv_torch_dtype(draft.torch_dtype), {})
         out.report = {"path": draft.model, "layers": draft.num_layers,

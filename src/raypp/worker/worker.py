@@ -12,12 +12,10 @@ control plane drives it. Everything the worker does is set by the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,6 +31,7 @@ from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
+from raypp.model_source import checkpoint_on_this_node
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.draft_runner import DraftModel
@@ -41,10 +40,6 @@ from raypp.worker.kv_memory import KVBudget, cpu_budget, zeros
 from raypp.worker.model_runner import ModelRunner
 from raypp.worker.occupancy import OccupancyTotals, StageOccupancy
 from raypp.worker.progress import StageProgress, StepProgress
-
-if TYPE_CHECKING:
-    from raypp.model.gguf_cache import GGUFMetadata
-    from raypp.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30
@@ -115,7 +110,7 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device), quant=fp8)
-        report = load_stage_weights(self.model, *_checkpoint_on_this_node(mc),
+        report = load_stage_weights(self.model, *checkpoint_on_this_node(mc),
                                     quant=mc.quant_config)
         self.model.eval()
         quant = mc.quant_config
@@ -336,16 +331,3 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray
         return "127.0.0.1"
-
-
-def _checkpoint_on_this_node(mc: ModelConfig) -> tuple[str, GGUFMetadata | None]:
-    """The checkpoint path this stage loads and its GGUF tensor table: the driver's, or on a
-    node without the driver's path, the Hub model fetched into this node's own cache at the
-    driver's commit (:func:`raypp.model_source.stage_checkpoint`; a local path missing
-    here is a ``ModelNotFoundError`` saying what to do)."""
-    from raypp.model_source import stage_checkpoint
-
-    path = stage_checkpoint(mc.model, mc.hub)
-    if path == mc.model or mc.gguf is None:
-        return path, mc.gguf
-    return path, dataclasses.replace(mc.gguf, path=str(Path(path).resolve()))
