@@ -1,6 +1,7 @@
 """Speculative decoding with a draft model on the GPU: the first stage's draft model
-(eager, no CUDA graphs of its own) proposes, the target (decode CUDA graphs for plain
-decode steps, the eager forward for verification steps) verifies; greedy outputs equal
+(its own decode CUDA graphs for one-token forwards, eager otherwise; or all eager with
+``enforce_eager``) proposes, the target (decode CUDA graphs for plain decode steps, the
+eager forward for verification steps) verifies; greedy outputs equal
 transformers' fp32 greedy tokens and the engine's own without speculation, at pp 1 and
 2 (stages sharing the GPU), both planes. Skipped cleanly without a GPU (CI)."""
 
@@ -44,25 +45,32 @@ def reference(ray_cluster, tiny_llama):
     return want
 
 
-@pytest.mark.parametrize("pp, plane, k, draft", [
-    (1, "cgraph", 3, "self"),
-    (2, "cgraph", 3, "half"),
-    (2, "direct", 5, "self"),
+@pytest.mark.parametrize("pp, plane, k, draft, eager", [
+    (1, "cgraph", 3, "self", False),
+    (2, "cgraph", 3, "half", False),
+    (2, "direct", 5, "self", False),
+    (1, "cgraph", 4, "half", True),
 ], ids=lambda v: str(v))
 def test_greedy_with_a_draft_model_on_cuda_equals_transformers(reference, tiny_llama,
                                                                tiny_llama_half, pp, plane, k,
-                                                               draft):
+                                                               draft, eager):
     import ray
 
     path = str(tiny_llama if draft == "self" else tiny_llama_half)
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
-    with _llm(tiny_llama, pp, control_plane=plane, speculative_config=spec) as llm:
+    with _llm(tiny_llama, pp, control_plane=plane, speculative_config=spec,
+              enforce_eager=eager) as llm:
         tokens, metrics = _greedy(llm)
         stats = llm.engine.stats
-        captured = ray.get(llm.engine.executor.all_workers[0].__ray_call__.remote(
-            lambda w: w.decode_graphs is not None))
+        target_graphs, draft_replays = ray.get(
+            llm.engine.executor.all_workers[0].__ray_call__.remote(
+                lambda w: (w.decode_graphs is not None,
+                           w.runner.draft.graphs and w.runner.draft.graphs.replays)))
     assert tokens == reference
-    assert captured  # the target's decode graphs exist beside the eager draft
+    # the target's and the draft's decode graphs are captured unless eager; the draft's
+    # replay for its one-token forwards
+    assert target_graphs is not eager
+    assert (draft_replays > 0) if not eager else draft_replays is None
     assert stats.spec_drafted_tokens > 0
     if draft == "self":  # the target drafting for itself: (nearly) all accepted
         assert all(m["spec_acceptance_rate"] > 0.9 for m in metrics), metrics

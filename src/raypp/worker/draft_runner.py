@@ -24,8 +24,12 @@ last token alike), in one forward; then one more single-token forward per furthe
 drafted position. So the draft sees every token the target accepted, prefill included;
 positions the target rejected are overwritten later, as the target's are.
 
-**Speed.** The draft runs eagerly (no CUDA graphs of its own), one forward per drafted
-position, batched over the step's drafting rows.
+**Speed.** One forward per drafted position, batched over the step's drafting rows. On
+CUDA (unless ``enforce_eager``) the draft has decode CUDA graphs of its own
+(:class:`raypp.worker.cuda_graphs.DecodeGraphs` over its cache, captured by the worker
+beside the target's): every forward of one token per row (the drafted positions after the
+first, and a first pass whose rows are all plain decodes without catch-up) replays one;
+prompt chunks and catch-up tokens run eagerly.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class DraftRunner:
         self.device = device
         self.block_size = block_size
         self.on_progress = on_progress  # the stage's progress tick (raypp.worker.progress)
+        self.graphs: Any = None  # its DecodeGraphs on CUDA (set by the worker), else None
 
     def run(self, step: ResolvedStep) -> list[int] | None:
         """Feed ``step``'s rows to the draft (after their catch-up tokens) and, for a
@@ -158,6 +163,13 @@ class DraftRunner:
                          [step.seq_ids[r] for r in rows], [], None)
         resolved = ResolvedStep.of(lean, [step.block_tables[r] for r in rows], self.block_size)
         dev = self.device
+        if self.graphs is not None and self.graphs.can_run(resolved):  # one token per row
+            if not picks:
+                self.graphs.run(resolved, None)  # writes the rows' KV; no token wanted
+                return []
+            logits = self.graphs.run(resolved, None)  # [rows, vocab], valid until next replay
+            index = torch.tensor(picks, dtype=torch.int64, device=dev)
+            return logits.index_select(0, index).argmax(-1).tolist()
         positions = torch.tensor(resolved.positions, dtype=torch.int64, device=dev)
         meta = attention_metadata(resolved, dev, self.on_progress)
         hidden, _ = self.model(positions, meta, self.kv_caches,

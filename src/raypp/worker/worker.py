@@ -26,7 +26,7 @@ from raypp.distributed.parallel_state import RankLayout
 from raypp.distributed.ports import free_port
 from raypp.errors import StageError
 from raypp.model.attention import attention_backend
-from raypp.model.base import StageSpec
+from raypp.model.base import StageModel, StageSpec
 from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.quantization.linear import weight_format
@@ -172,40 +172,55 @@ class StageWorker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache and, on CUDA unless ``enforce_eager``, capture the
-        decode graphs; the worker is then ready to run steps."""
-        mc, rc = self.config.model, self.config.runtime
+        decode graphs (the draft model's too, over its own cache); the worker is then ready
+        to run steps."""
+        mc = self.config.model
         kv_heads, head_dim = self.model.kv_cache_layout()
         shape = (2, num_blocks, self.config.cache.block_size, kv_heads, head_dim)
         kv_caches = [zeros(shape, self.kv_dtype, self.device)
                      for _ in range(self.model.num_layers)]
-        graphs = None
-        uncapturable = (self.model.decode_graphs_unsupported()
-                        if self.device.type == "cuda" and not rc.enforce_eager else None)
-        if parallel_state.get_tp_group().shares_device and not rc.enforce_eager:
-            logger.warning("stage %d runs eagerly: its TP ranks share a GPU, and an all-reduce "
-                           "staged through host memory cannot be captured in a CUDA graph",
-                           self.pp_rank)
-        elif uncapturable:
-            logger.warning("stage %d runs eagerly (no decode CUDA graphs): %s", self.pp_rank,
-                           uncapturable)
-        elif self.device.type == "cuda" and not rc.enforce_eager:
-            from raypp.worker.cuda_graphs import DecodeGraphs
-
-            graphs = DecodeGraphs(
-                self.model, kv_caches, is_first=self.stage.is_first, is_last=self.stage.is_last,
-                max_num_seqs=self.config.scheduler.max_num_seqs,
-                # the engine may have fitted max_model_len to num_blocks after this config was sent
-                max_blocks_per_seq=min(-(-mc.max_model_len // self.config.cache.block_size),
-                                       num_blocks),
-                hidden_size=mc.hidden_size, dtype=mc.torch_dtype, device=self.device,
-                compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
-            ).capture()
+        graphs = self._decode_graphs(self.model, kv_caches, num_blocks, mc.hidden_size,
+                                     mc.torch_dtype, "stage")
         tick = self._advance if self._fault.in_forward else self._progress.tick
         self.runner = ModelRunner(self.model, kv_caches, graphs, self.device,
                                   self.config.cache.block_size, on_progress=tick)
         if self.draft is not None:  # its own blocks, as many as the target's
-            self.runner.draft = self.draft.runner(num_blocks, self.config.cache.block_size,
-                                                  self.device, on_progress=tick)
+            draft = self.draft.runner(num_blocks, self.config.cache.block_size, self.device,
+                                      on_progress=tick)
+            dc = self.config.speculative_config.draft
+            draft.graphs = self._decode_graphs(draft.model, draft.kv_caches, num_blocks,
+                                               dc.hidden_size, dc.torch_dtype, "draft model")
+            self.runner.draft = draft
+
+    def _decode_graphs(self, model: StageModel, kv_caches: list[torch.Tensor], num_blocks: int,
+                       hidden_size: int, dtype: torch.dtype, what: str) -> Any:
+        """``model``'s captured decode graphs over ``kv_caches``, or ``None`` (CPU,
+        ``enforce_eager``, TP ranks sharing a GPU, a model that cannot be captured: the
+        last two logged as a WARNING naming ``what`` runs eagerly)."""
+        rc = self.config.runtime
+        if self.device.type != "cuda" or rc.enforce_eager:
+            return None
+        if parallel_state.get_tp_group().shares_device:
+            logger.warning("%s %d runs eagerly: its TP ranks share a GPU, and an all-reduce "
+                           "staged through host memory cannot be captured in a CUDA graph",
+                           what, self.pp_rank)
+            return None
+        uncapturable = model.decode_graphs_unsupported()
+        if uncapturable:
+            logger.warning("%s %d runs eagerly (no decode CUDA graphs): %s", what, self.pp_rank,
+                           uncapturable)
+            return None
+        from raypp.worker.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(
+            model, kv_caches, is_first=model.stage.is_first, is_last=model.stage.is_last,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            # the engine may have fitted max_model_len to num_blocks after this config was sent
+            max_blocks_per_seq=min(-(-self.config.model.max_model_len
+                                     // self.config.cache.block_size), num_blocks),
+            hidden_size=hidden_size, dtype=dtype, device=self.device,
+            compile_forward=rc.compile_decode, fused_max_rows=rc.fused_decode_max_rows,
+        ).capture()
 
     @property
     def decode_graphs(self) -> Any:
