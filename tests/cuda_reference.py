@@ -136,7 +136,7 @@ def assert_graph_replays_match_eager(model: Any, graphs: Any, caches: list[torch
     and the padding rows write nothing. ``model`` is a whole model on one stage, ``caches``
     blocks of :data:`BLOCK_SIZE` tokens, eight blocks per row."""
     from raypp.step import ResolvedStep
-    from raypp.worker.model_runner import attention_metadata
+    from raypp.worker.eager_metadata import attention_metadata
 
     for n, context in ((3, [5, 40, 17]), (1, [100]), (8, [1, 2, 3, 30, 31, 32, 33, 120])):
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(n)]

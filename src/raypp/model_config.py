@@ -135,6 +135,21 @@ class ModelConfig:
             )
         self.sampling_defaults = self._read_sampling_defaults()
 
+    def checkpoint_on_this_node(self) -> tuple[str, GGUFMetadata | None]:
+        """The checkpoint path a stage loads this model from on this node, and its GGUF
+        tensor table: the driver's, or on a node without the driver's path, the Hub model
+        fetched into this node's own cache at the driver's commit
+        (:func:`raypp.model_source.stage_checkpoint`; a local path missing here is a
+        ``ModelNotFoundError`` saying what to do)."""
+        import dataclasses
+
+        from raypp.model_source import stage_checkpoint
+
+        path = stage_checkpoint(self.model, self.hub)
+        if path == self.model or self.gguf is None:
+            return path, self.gguf
+        return path, dataclasses.replace(self.gguf, path=str(Path(path).resolve()))
+
     def fit_max_model_len(self, tokens: int) -> bool:
         """Lower ``max_model_len`` to ``tokens`` (what the KV cache holds) if the user gave
         none; False (nothing changed) when they gave one or it already fits."""

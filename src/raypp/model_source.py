@@ -33,16 +33,10 @@ disk every node reads, or to name the model by its Hub id.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from raypp.model.gguf_cache import GGUFMetadata
-    from raypp.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +126,6 @@ def stage_checkpoint(path: str, hub: HubModel | None) -> str:
             "node fetches it into its own cache")
     name = hub.repo_id + (f"/{hub.filename}" if hub.filename else "")
     return str(_from_hub(name, hub.repo_id, hub.filename, hub.commit, download=True).path)
-
-
-def checkpoint_on_this_node(mc: ModelConfig) -> tuple[str, GGUFMetadata | None]:
-    """The checkpoint path a stage loads ``mc`` from on this node, and its GGUF tensor
-    table: the driver's, or on a node without the driver's path, the Hub model fetched
-    into this node's own cache at the driver's commit (:func:`stage_checkpoint`; a local
-    path missing here is a ``ModelNotFoundError`` saying what to do)."""
-    path = stage_checkpoint(mc.model, mc.hub)
-    if path == mc.model or mc.gguf is None:
-        return path, mc.gguf
-    return path, dataclasses.replace(mc.gguf, path=str(Path(path).resolve()))
 
 
 def _parse_hub_id(name: str) -> tuple[str, str | None] | None:

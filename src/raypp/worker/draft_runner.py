@@ -47,8 +47,8 @@ from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
-from raypp.model_source import checkpoint_on_this_node
 from raypp.step import ResolvedStep, StepInput, StepMode
+from raypp.worker.eager_metadata import attention_metadata
 from raypp.worker.kv_memory import zeros
 
 
@@ -79,7 +79,7 @@ class DraftModel:
         with torch.device(device):
             model = model_class(draft.architecture)(draft.hf_config, whole, tp, draft.torch_dtype,
                                                     attention_backend(device), quant=fp8)
-        load_stage_weights(model, *checkpoint_on_this_node(draft), quant=draft.quant_config)
+        load_stage_weights(model, *draft.checkpoint_on_this_node(), quant=draft.quant_config)
         model.eval()
         out = cls(model, draft.model, config.cache.kv_torch_dtype(draft.torch_dtype), {})
         out.report = {"path": draft.model, "layers": draft.num_layers,
@@ -157,8 +157,6 @@ class DraftRunner:
                  query_start: list[int], seq_lens: list[int], picks: list[int]) -> list[int]:
         """One draft forward over ``ids`` (rows ``rows`` of ``step``, each ending at its
         ``seq_lens`` entry); the argmax token at each flat index in ``picks``."""
-        from raypp.worker.model_runner import attention_metadata
-
         lean = StepInput(step.step_id, ids, query_start, seq_lens,
                          [step.seq_ids[r] for r in rows], [], None)
         resolved = ResolvedStep.of(lean, [step.block_tables[r] for r in rows], self.block_size)

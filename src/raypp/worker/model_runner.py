@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from raypp.model.attention import AttentionMetadata
 from raypp.model.base import StageModel
 from raypp.step import ResolvedStep, StageHandoff, StepInput, StepMode, StepOutput
 from raypp.worker.block_tables import BlockTableMirror
 from raypp.worker.cuda_graphs import DecodeGraphs
 from raypp.worker.decode_loop import DecodeInputs, run_decode_steps
 from raypp.worker.draft_runner import DraftRunner, with_drafts
+from raypp.worker.eager_metadata import attention_metadata
 from raypp.worker.penalty_history import PenaltyHistoryMirror
 from raypp.worker.sampler import SamplingTensors, sample
 from raypp.worker.verifier import verified_rows, verify
@@ -179,22 +179,3 @@ def _feed_last_tokens(input_ids: torch.Tensor, last: torch.Tensor, rows: list[in
     else:
         index = torch.tensor(rows, dtype=torch.int64).to(last.device, non_blocking=True)
         torch.index_select(last, 0, index, out=input_ids)
-
-
-def attention_metadata(step: ResolvedStep, device: torch.device,
-                       on_progress: Callable[[], None] | None = None) -> AttentionMetadata:
-    """The attention metadata of an eager forward over ``step`` (``on_progress``: see
-    :class:`~raypp.model.attention.AttentionMetadata`)."""
-    width = max(len(t) for t in step.block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables],
-                          dtype=torch.int64, device=device)
-    query_lens = [b - a for a, b in zip(step.query_start, step.query_start[1:])]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
-        query_start=step.query_start,
-        seq_lens=step.seq_lens,
-        block_tables=tables,
-        decode_only=all(q == 1 for q in query_lens),
-        seq_lens_tensor=torch.tensor(step.seq_lens, dtype=torch.int64, device=device),
-        on_progress=on_progress,
-    )

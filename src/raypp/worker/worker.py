@@ -31,7 +31,6 @@ from raypp.model.layers import TPContext
 from raypp.model.loader import load_stage_weights
 from raypp.model.quantization.linear import weight_format
 from raypp.model.registry import model_class
-from raypp.model_source import checkpoint_on_this_node
 from raypp.step import StageHandoff, StepInput, StepOutput
 from raypp.worker.cpu_threads import StepThreads, stage_threads
 from raypp.worker.draft_runner import DraftModel
@@ -110,7 +109,7 @@ class StageWorker:
             self.model = model_class(mc.architecture)(mc.hf_config, self.stage, tp,
                                                       mc.torch_dtype,
                                                       attention_backend(self.device), quant=fp8)
-        report = load_stage_weights(self.model, *checkpoint_on_this_node(mc),
+        report = load_stage_weights(self.model, *mc.checkpoint_on_this_node(),
                                     quant=mc.quant_config)
         self.model.eval()
         quant = mc.quant_config
