@@ -1,5 +1,5 @@
-"""FP8 on the GPU (NOT YET RUN on a GPU: written in a session without one; the next GPU
-session runs it first, see benchmarks/gpu/README.md): the kernels against float64
+"""FP8 on the GPU (first run in run 16, benchmarks/gpu/README.md: the kernels pass; three
+engine cases failed there and are rerun first by the next GPU session): the kernels against float64
 references, decode graphs over FP8 layers and an FP8 KV cache against the eager forward,
 and the engine against transformers.
 
