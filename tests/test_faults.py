@@ -30,13 +30,14 @@ def _check_serves_correctly(llm: LLM, model_dir, prompts) -> None:
 
 
 def test_killed_stage_loses_no_request(ray_cluster, tiny_llama):
-    """A stage killed mid-batch, each stage in turn: the batch completes exactly as it
-    does without the kill (every request re-queued, none failed), on replaced workers."""
+    """The first stage, then a middle one, killed mid-batch: the batch completes exactly as
+    it does without the kill (every request re-queued, none failed), on replaced workers.
+    (A last stage's death: test_recovery's cgraph pp2 case and test_direct_plane.)"""
     with LLM(str(tiny_llama), pipeline_parallel_size=3, max_restarts=10,
              max_model_len=256) as llm:
         batch = [{"prompt_token_ids": p} for p in corpus_prompts(llm.get_tokenizer(), [3] * 6)]
         expected = [o.outputs[0].token_ids for o in llm.generate(batch, LONG, use_tqdm=False)]
-        for round_, pp_rank in enumerate([0, 1, 2]):
+        for round_, pp_rank in enumerate([0, 1]):
             killed_at: list[float] = []
             killer = kill_stage_later(llm, pp_rank, 1.0, killed_at)
             outs = llm.generate(batch, LONG, use_tqdm=False)
@@ -297,13 +298,14 @@ def test_idle_engine_stages_do_not_spin(ray_cluster, tiny_llama):
 def test_create_shutdown_cycles_leak_nothing(ray_cluster, tiny_llama):
     pids: set[int] = set()
     namespaces = []
-    for _ in range(20):
+    cycles = 6  # a leak of processes or named actors shows from the second cycle on
+    for _ in range(cycles):
         with LLM(str(tiny_llama), pipeline_parallel_size=2) as llm:
             llm.generate("A", SHORT, use_tqdm=False)
             executor = llm.engine.executor
             pids.update(ray.get([w.ping.remote() for w in executor.all_workers]))
             namespaces.append(executor.namespace)
-    assert len(pids) == 40  # every cycle had its own two stage processes
+    assert len(pids) == 2 * cycles  # every cycle had its own two stage processes
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.5)
