@@ -152,17 +152,21 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
     results: dict[str, Any] = {}
+
+    def record(name: str, value: Any) -> None:  # written as each section ends: a time
+        results[name] = value                    # limit keeps what finished
+        (out / "structured_decode.json").write_text(json.dumps(results, indent=1) + "\n")
+
     if "mask" in sections:
-        results["mask_host"] = mask_cost()
+        record("mask_host", mask_cost())
     if "apply" in sections:
-        results["apply_gpu_bf16"] = apply_on_gpu()
+        record("apply_gpu_bf16", apply_on_gpu())
     if {"throughput", "stall"} & set(sections):
         make_checkpoint(path)
     if "throughput" in sections:
-        results["throughput"] = throughput(path, [1, 64], args.reps)
+        record("throughput", throughput(path, [1, 64], args.reps))
     if "stall" in sections:
-        results["stall"] = compile_stall(path)
-    (out / "structured_decode.json").write_text(json.dumps(results, indent=1) + "\n")
+        record("stall", compile_stall(path))
     print(json.dumps(results, indent=1))
 
 
