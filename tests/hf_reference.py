@@ -61,6 +61,39 @@ def hf_logits(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+def e4m3_kv_cache(model, scales: dict[int, tuple[float, float]] | None = None):
+    """A transformers cache that rounds what it stores through e4m3 with each layer's
+    ``(k_scale, v_scale)`` (1.0 where none): raypp's FP8 KV cache, in transformers."""
+    from transformers import DynamicCache
+
+    from raypp.model.quantization.fp8 import round_through_fp8
+
+    scales = scales or {}
+
+    class E4M3Cache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            k, v = scales.get(layer_idx, (1.0, 1.0))
+            return super().update(round_through_fp8(key_states, k),
+                                  round_through_fp8(value_states, v), layer_idx, *args, **kwargs)
+
+    return E4M3Cache(config=model.config)
+
+
+def round_linear_inputs_per_token(model) -> list:
+    """Rounds every decoder linear layer's input per token through e4m3 (dynamic scales,
+    as raypp's W8A8 ``_scaled_mm`` path quantizes activations); the hooks' handles
+    (``.remove()`` undoes it)."""
+    from raypp.model.quantization import fp8
+
+    def hook(_module, args):
+        x = args[0]
+        q, scale = fp8.quantize_tokens(x.flatten(0, -2))
+        return (fp8.from_fp8(q, scale, x.dtype).view_as(x),)
+
+    return [m.register_forward_pre_hook(hook) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".layers." in name]
+
+
 def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     """Prompts of exactly the given token lengths, cut from the shipped corpus."""
     from raypp.testing.tiny_model import CORPUS

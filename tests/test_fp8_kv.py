@@ -18,29 +18,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import _hf_model, corpus_prompts, hf_logits
+from hf_reference import _hf_model, corpus_prompts, e4m3_kv_cache, hf_logits
 
 from raypp import LLM, SamplingParams
-from raypp.model.quantization.fp8 import round_through_fp8
 from raypp.testing.fp8_checkpoint import quantize_checkpoint
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2)
 KV_BUDGET = 4 * 2**20
-
-
-def _rounding_cache(model, scales: dict[int, tuple[float, float]]):
-    """A transformers cache that rounds what it stores through e4m3 with each layer's
-    ``(k_scale, v_scale)`` (1.0 where none)."""
-    from transformers import DynamicCache
-
-    class E4M3Cache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            k, v = scales.get(layer_idx, (1.0, 1.0))
-            return super().update(round_through_fp8(key_states, k),
-                                  round_through_fp8(value_states, v), layer_idx, *args, **kwargs)
-
-    return E4M3Cache(config=model.config)
 
 
 def _reference(model_dir, prompt: list[int], scales) -> tuple[list[int], torch.Tensor]:
@@ -51,10 +36,10 @@ def _reference(model_dir, prompt: list[int], scales) -> tuple[list[int], torch.T
     with torch.no_grad():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
                              do_sample=False, pad_token_id=model.config.pad_token_id,
-                             past_key_values=_rounding_cache(model, scales))
+                             past_key_values=e4m3_kv_cache(model, scales))
         tokens = out[0, len(prompt):].tolist()
         ids = torch.tensor([prompt + tokens[:-1]])
-        logits = model(ids, past_key_values=_rounding_cache(model, scales), use_cache=True).logits
+        logits = model(ids, past_key_values=e4m3_kv_cache(model, scales), use_cache=True).logits
     return tokens, logits[0].float().log_softmax(-1)
 
 

@@ -113,7 +113,7 @@ def _fp8_stage(model_dir: Path, quant: QuantConfig | None, fmt, tp_rank: int, tp
 @pytest.mark.parametrize(("family", "fmt", "group"), [
     ("tiny_llama", "block", 16), ("tiny_llama", "ct-channel", None),
     ("tiny_llama", "online", None), ("tiny_qwen3_moe", "block", 16),
-    ("tiny_qwen3_moe", "ct-tensor", None)])
+    ("tiny_qwen3_moe", "ct-tensor", None), ("tiny_qwen3", "ct-tensor", None)])
 def test_gpu_layout_loads_what_cpu_dequantizes(request, tmp_path, family, fmt, group):
     """The e4m3 weights and row-group scales an FP8 layer (GPU) holds, dequantized, are
     the 16/32-bit weights CPU loads, on each TP rank: both go through the layer's loader."""
