@@ -63,7 +63,6 @@ class StructuredOutputs:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the compile thread
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made with the first masks
         self._buffer: Any = None  # numpy int32 [rows, words]: the step builder's scratch
 
     # -- compiling (any thread) ----------------------------------------------------------
@@ -129,21 +128,18 @@ class StructuredOutputs:
     def bitmasks(self, grammars: list[SeqGrammar]) -> list[bytes]:
         """The packed next-token bitmask of each grammar (``SamplingBatch.token_bitmask``).
 
-        Several rows fill in one call of xgrammar's threaded batch fill, into a reused
-        buffer: at batch 64 with a 128k vocabulary that measured faster than a fill per
-        row (``benchmarks/structured_outputs.md``)."""
+        One fill per row into a reused buffer. xgrammar's threaded batch fill measured the
+        same on the 2-core VM and 8x slower on the 16-core GPU host (64 rows of a 128k
+        vocabulary: 3.5 ms against 0.43 ms, its threads' hand-offs cost more than the
+        fills; ``benchmarks/gpu/README.md``, run 17)."""
         import numpy as np
-        import xgrammar
 
         words = (self.vocab_size + 31) // 32
         if self._buffer is None or self._buffer.shape[0] < len(grammars):
             self._buffer = np.zeros((max(64, len(grammars)), words), dtype=np.int32)
-            self._batch = self._batch or xgrammar.BatchGrammarMatcher(max_threads="auto")
         buffer = self._buffer[:len(grammars)]
-        if len(grammars) == 1:
-            grammars[0].matcher.fill_next_token_bitmask(buffer, 0)
-        else:
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], buffer)
+        for row, grammar in enumerate(grammars):
+            grammar.matcher.fill_next_token_bitmask(buffer, row)
         return [row.tobytes() for row in buffer]
 
     def close(self) -> None:
