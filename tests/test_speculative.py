@@ -66,6 +66,44 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert NgramProposer(1, 1).propose([7, 5, 6, 5], 2) == [6, 5]
 
 
+def _latest_ngram_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by its definition, in plain Python: for n from max_n down, the k
+    tokens after the latest earlier occurrence of the last n tokens."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i:i + n] == tokens[length - n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_drafts_from_a_history_kept_as_tokens_are_accepted():
+    """The proposer's per-sequence token array, extended step by step (one token, a
+    verification's several, across growths of its buffer), drafts exactly what the
+    lookup's definition gives over the whole prompt + output."""
+    import random
+
+    from raypp.engine.sequence import DraftStats
+
+    rng = random.Random(0)
+    p = NgramProposer(min_n=1, max_n=4)
+    seq = Sequence(0, "0", 0, [rng.randrange(8) for _ in range(200)], SamplingParams(), seed=0)
+    seq.draft_stats = DraftStats(cap=5)
+    for _ in range(300):
+        assert p.draft(seq, 5) == _latest_ngram_continuation(seq.all_token_ids, 5, 1, 4)
+        for min_n, max_n in ((2, 3), (3, 5)):
+            assert (NgramProposer(min_n, max_n).propose(seq.all_token_ids, 3)
+                    == _latest_ngram_continuation(seq.all_token_ids, 3, min_n, max_n))
+        seq.output_token_ids.extend(rng.randrange(8) for _ in range(rng.choice([1, 1, 3, 6])))
+    assert len(seq.draft_stats.history.of(seq)) == seq.num_tokens > 256 + 200
+    for alphabet in [20, 60, 400] * 50:  # rarer matches: the shorter n-grams decide
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(2, 300))]
+        assert p.propose(tokens, 4) == _latest_ngram_continuation(tokens, 4, 1, 4)
+    shorter = Sequence(1, "1", 0, [3, 1, 2, 3, 1], SamplingParams(), seed=0)
+    shorter.draft_stats = seq.draft_stats  # a history longer than its sequence rebuilds
+    assert p.draft(shorter, 3) == p.propose(shorter.all_token_ids, 3) == [2, 3, 1]
+
+
 def _seq(params: SamplingParams | None = None) -> Sequence:
     return Sequence(0, "0", 0, [1, 2, 3, 1, 2, 3, 1, 2], params or SamplingParams(), seed=0)
 

@@ -65,23 +65,57 @@ class NgramProposer:
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``seq``'s prompt and output."""
-        return self.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+        stats = seq.draft_stats
+        if stats is None:  # no history to keep: a one-off lookup
+            return self.propose(seq.all_token_ids, k)
+        if stats.history is None:
+            stats.history = TokenHistory()
+        return self.propose(stats.history.of(seq), k)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens`` (empty if no n-gram recurs)."""
         length = len(tokens)
         if k <= 0 or length < self.min_n + 1:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
+        # ends[j]: an earlier position j whose token is the last token and whose
+        # continuation arr[j + 1] exists; each longer n keeps the ends whose n - 1 tokens
+        # before also match (one pass over the history, then only over the candidates)
+        ends = np.flatnonzero(arr[:length - 1] == arr[length - 1])
+        matched = {1: ends}
+        for n in range(2, min(self.max_n, length - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[arr[ends - (n - 1)] == arr[length - n]]
+            matched[n] = ends
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # windows[i] = tokens[i:i + n] for every i whose continuation tokens[i + n]
-            # exists, the final n tokens themselves excluded
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
-            hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+            if matched[n].size:
+                start = int(matched[n][-1]) + 1
                 return arr[start:start + k].tolist()
         return []
+
+
+class TokenHistory:
+    """A sequence's prompt and output as one int64 array, extended by the tokens accepted
+    since the last lookup: a lookup costs the new tokens' copy, not the whole history's
+    (a sequence's tokens only ever grow; a shorter sequence rebuilds it)."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.int64)
+        self._length = 0
+
+    def of(self, seq: Sequence) -> np.ndarray:
+        """``seq.all_token_ids`` as an array (a view, valid until the next call)."""
+        total = seq.num_tokens
+        if total < self._length:
+            self._length = 0
+        if total > len(self._buffer):
+            grown = np.empty(max(total, 2 * len(self._buffer), 256), dtype=np.int64)
+            grown[:self._length] = self._buffer[:self._length]
+            self._buffer = grown
+        if total > self._length:
+            self._buffer[self._length:total] = seq.token_ids(self._length, total)
+            self._length = total
+        return self._buffer[:total]
 
 
 class Speculator:
