@@ -252,6 +252,42 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return [[3] * 8, [100] * 12, [11] * 20, *corpus_prompts(llm.get_tokenizer(), [9])]
 
 
+def test_quiet_rows_ride_rounds_ahead_a_few_short_rounds_at_a_time():
+    """A round of rows that drafted nothing at their last QUIET_AFTER schedulings is
+    continued ahead like one without speculation, QUIET_CHAIN_ROUNDS rounds in a row of
+    at most QUIET_ROUND_STEPS steps; a fresh round starts a new chain; a row that drafts
+    again is no longer quiet."""
+    from raypp.config import SchedulerConfig
+    from raypp.engine.micro_batch import MicroBatch, ScheduledSeq
+    from raypp.engine.rounds import RoundPolicy
+    from raypp.engine.speculative import QUIET_AFTER, QUIET_CHAIN_ROUNDS, QUIET_ROUND_STEPS
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                             num_decode_steps=16).size_for("cpu", pipeline_parallel_size=1)
+    policy = RoundPolicy(config, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2))
+    assert RoundPolicy(config).max_steps(False) == 16 > policy.max_steps(False) == QUIET_ROUND_STEPS
+    spec = policy.speculator
+    seq = Sequence(0, "0", 0, [1, 2, 3, 4, 5], SamplingParams(), seed=0)  # nothing recurs
+
+    def round_(after: MicroBatch | None = None) -> MicroBatch:
+        return MicroBatch([ScheduledSeq(seq, seq.num_tokens, 1, True)], 4,
+                          StepMode.DECODE_ROUND, continues=after)
+
+    fresh = round_()
+    assert not policy.may_continue(fresh, 1, False)  # never scheduled with speculation yet
+    for _ in range(QUIET_AFTER):
+        assert spec.draft(seq, 9) == []
+    chain = [fresh]
+    while policy.may_continue(chain[-1], 1, False):
+        chain.append(round_(after=chain[-1]))
+    assert len(chain) == 1 + QUIET_CHAIN_ROUNDS
+    assert policy.may_continue(round_(), 1, False)  # a fresh round: a new chain
+    assert not policy.may_continue(round_(), 1, True)  # a waiting request could join
+    seq.output_token_ids.extend([1, 2])  # [1, 2] recurs: a draft, so not quiet any more
+    assert spec.draft(seq, 9) == [3, 4, 5, 1, 2][:3]
+    assert not policy.may_continue(round_(), 1, False)
+
+
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
     return [o for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)]
@@ -272,6 +308,8 @@ def test_greedy_with_speculation_equals_transformers(ray_cluster, tiny_llama, la
         stats = llm.engine.stats
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 24)
     assert stats.spec_drafted_tokens > stats.spec_accepted_tokens > 0
+    if layout.get("pipeline_parallel_size") == 1:  # asynchronous rounds
+        assert stats.rounds_ahead > 0  # quiet rows rode rounds ahead
     metrics = [o.metrics for o in outs]
     assert sum(m["spec_accepted_tokens"] for m in metrics) == stats.spec_accepted_tokens
     assert all(1 <= m["spec_mean_accepted_length"] <= 1 + spec["num_speculative_tokens"]
@@ -314,6 +352,8 @@ def test_greedy_with_a_draft_model_equals_transformers(ray_cluster, tiny_llama, 
         assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     else:
         assert stats.spec_accepted_tokens < 0.2 * stats.spec_drafted_tokens
+        if pp == 1:  # paused rows are quiet: they rode rounds ahead, the draft caught up
+            assert stats.rounds_ahead > 0
 
 
 def test_the_draft_model_sees_chunked_prompts_and_cached_prefixes(ray_cluster, tiny_llama,

@@ -20,7 +20,9 @@ round before it reads this one's result). Every other micro-batch is a plain
 - with speculative decoding, which decode rows carry drafted tokens and how many
   (:meth:`RoundPolicy.draft`, :mod:`raypp.engine.speculative`): a micro-batch with a
   draft is a ``VERIFY`` step (one step, never continued ahead: the driver needs the
-  accepted tokens before it can draft again); one with none may still be a round.
+  accepted tokens before it can draft again); one with none may still be a round, and
+  one of rows that have been drafting nothing ("quiet") may be continued ahead for a
+  few rounds before they look for drafts again.
 
 The scheduler owns one policy and applies it; the block reservation for a round's
 steps, and which sequences join, stay the scheduler's. What a sequence has in flight
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from raypp.config import ROUND_TARGET_S, SchedulerConfig
 from raypp.engine.draft_proposer import DraftModelProposer
-from raypp.engine.speculative import Speculator
+from raypp.engine.speculative import QUIET_CHAIN_ROUNDS, QUIET_ROUND_STEPS, Speculator
 from raypp.speculative_config import SpeculativeConfig
 from raypp.step import StepMode
 
@@ -50,9 +52,8 @@ class RoundPolicy:
     def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None):
         self.speculator = None if speculative is None else Speculator(speculative)
         self.device_loops = config.device_loops
-        # a continued round's rows are in flight when the next step is formed, so they
-        # could not draft: with speculative decoding, rounds are not continued ahead
-        self.continues = config.rounds_ahead > 0 and self.speculator is None
+        self.continues = config.rounds_ahead > 0
+        self.chain = 0  # rounds continued ahead since the last fresh one
         self.limit = config.num_decode_steps  # the most steps a round ever takes
         self.adaptive = config.adaptive_rounds
         # the most steps a round may take now: sized by observe() when adaptive
@@ -97,15 +98,31 @@ class RoundPolicy:
 
     def max_steps(self, can_admit: bool) -> int:
         """Steps a new round may take now; ``can_admit``: a waiting request could join a
-        batch (then one step, so its prefill is not held back)."""
-        return 1 if can_admit else self.steps
+        batch (then one step, so its prefill is not held back). With speculative
+        decoding at most ``QUIET_ROUND_STEPS``: a round's rows look for no drafts."""
+        if can_admit:
+            return 1
+        return self.steps if self.speculator is None else min(self.steps, QUIET_ROUND_STEPS)
 
     def may_continue(self, batch: MicroBatch, batches_in_flight: int, can_admit: bool) -> bool:
         """True if ``batch``'s next round may be submitted before ``batch``'s result is
         read: asynchronous scheduling is on, ``batch`` is a round and the only
-        micro-batch in flight, and no waiting request could join a fresh batch instead."""
-        return (self.continues and batch.mode is StepMode.DECODE_ROUND
-                and batches_in_flight == 1 and not can_admit)
+        micro-batch in flight, and no waiting request could join a fresh batch instead.
+        With speculative decoding a continued round's rows cannot draft (their tokens
+        are in flight), so only a round of quiet rows continues
+        (:meth:`Speculator.quiet`), and for at most ``QUIET_CHAIN_ROUNDS`` rounds in a
+        row before they look for drafts again."""
+        if batch.continues is None:
+            self.chain = 0
+        if not (self.continues and batch.mode is StepMode.DECODE_ROUND
+                and batches_in_flight == 1 and not can_admit):
+            return False
+        if self.speculator is not None and (
+                self.chain >= QUIET_CHAIN_ROUNDS
+                or not self.speculator.quiet([item.seq for item in batch.seqs])):
+            return False
+        self.chain += 1
+        return True
 
     def observe(self, batch: MicroBatch) -> None:
         """``batch``'s result was just read. With engine-sized rounds, a round that

@@ -29,6 +29,7 @@ class DraftStats:
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0  # steps that verified a draft of it
+    quiet: int = 0  # schedulings in a row that drafted nothing for it (no match, paused)
     # the n-gram proposer's copy of prompt + output, grown as tokens are accepted
     # (:class:`raypp.engine.speculative.TokenHistory`)
     history: Any = None

@@ -19,7 +19,12 @@ draft (a later position's penalties or token mask would depend on unaccepted tok
 a sequence's cap grows by one after a draft accepted whole and falls to one more than
 the accepted count otherwise; after ``MISSES_BEFORE_PAUSE`` verifications in a row
 that accept nothing, it drafts nothing for ``PAUSE_SCHEDULINGS`` schedulings, then
-tries again.
+tries again. A row is *quiet* once ``QUIET_AFTER`` schedulings in a row drafted nothing
+for it (no n-gram recurred, or paused): a round of only quiet rows may be continued
+ahead like one without speculation, for at most ``QUIET_CHAIN_ROUNDS`` rounds of at most
+``QUIET_ROUND_STEPS`` steps, after which its rows look for drafts again
+(:meth:`raypp.engine.rounds.RoundPolicy.may_continue`). So rows speculation does not help
+run at nearly plain decoding's pace, not one synchronous step at a time.
 
 Proposers: :class:`NgramProposer` (prompt lookup) runs here. A draft model
 (:class:`~raypp.engine.draft_proposer.DraftModelProposer`) runs on the first stage's
@@ -42,6 +47,9 @@ from raypp.speculative_config import SpeculativeConfig
 
 MISSES_BEFORE_PAUSE = 3
 PAUSE_SCHEDULINGS = 8
+QUIET_AFTER = 2
+QUIET_CHAIN_ROUNDS = 4
+QUIET_ROUND_STEPS = 8  # so at most 32 tokens pass between a quiet row's lookups
 
 
 def speculative_metrics(verifications: int, drafted: int, accepted: int) -> dict[str, float]:
@@ -142,11 +150,19 @@ class Speculator:
             stats = seq.draft_stats = DraftStats(cap=self.k)
         if stats.pause > 0:
             stats.pause -= 1
-            return []
-        n = min(stats.cap, limit)
-        if n <= 0:
-            return []
-        return self.proposer.draft(seq, n)
+            draft = []
+        else:
+            n = min(stats.cap, limit)
+            draft = self.proposer.draft(seq, n) if n > 0 else []
+        stats.quiet = 0 if draft else stats.quiet + 1
+        return draft
+
+    @staticmethod
+    def quiet(seqs: list[Sequence]) -> bool:
+        """True if every one of ``seqs`` is quiet: ``QUIET_AFTER`` schedulings in a row
+        drafted nothing for it."""
+        return all(s.draft_stats is not None and s.draft_stats.quiet >= QUIET_AFTER
+                   for s in seqs)
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``seq`` accepted ``accepted`` of its ``drafted`` tokens."""
