@@ -2,10 +2,13 @@
 batch 1 (CPU).
 
 ``python -m benchmarks.speculative [--pp 1,2] [--k 4] [--methods ngram,draft_model]
-[--draft PATH] [--reps 3] [--max-tokens 128] [--out benchmarks/speculative_cpu.json]``
+[--draft PATH] [--task repeat|open] [--reps 3] [--max-tokens 128]
+[--out benchmarks/speculative_cpu.json]``
 
-SmolLM2-135M-Instruct (the demo GGUF) answers one chat request that asks it to repeat a
-paragraph (a prompt that quotes its input: the case prompt lookup is for), greedy,
+SmolLM2-135M-Instruct (the demo GGUF) answers one chat request: ``repeat`` asks it to
+repeat a paragraph (a prompt that quotes its input: the case prompt lookup is for),
+``open`` asks an open question (little to look up: what speculation costs where it
+cannot help); greedy,
 ``--max-tokens`` tokens. Per pipeline size, one engine without speculation and one per
 ``--k`` and ``--methods`` entry (``{"method": "ngram", "num_speculative_tokens": k}``, or
 ``"draft_model"`` with ``--draft`` as the draft, by default the demo model itself: every
@@ -34,20 +37,24 @@ PARAGRAPH = (
     "centrepiece of the 1889 World's Fair, and to crown the centennial anniversary of the "
     "French Revolution. Although initially criticised by some of France's leading artists "
     "and intellectuals for its design, it has since become a global cultural icon of France.")
-MESSAGES = [{"role": "user", "content": "Repeat the following paragraph exactly, word for "
-                                        "word:\n\n" + PARAGRAPH}]
+TASKS = {
+    "repeat": [{"role": "user", "content": "Repeat the following paragraph exactly, word for "
+                                           "word:\n\n" + PARAGRAPH}],
+    "open": [{"role": "user", "content": "Write a short story about a lighthouse keeper who "
+                                         "finds a message in a bottle."}],
+}
 
 
-def _run(llm: Any, max_tokens: int) -> tuple[float, Any]:
+def _run(llm: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, Any]:
     from raypp import SamplingParams
 
     started = time.perf_counter()
-    out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     return time.perf_counter() - started, out
 
 
 def measure(pp: int, ks: list[int], reps: int, max_tokens: int, methods: list[str],
-            draft: str | None = None) -> dict[str, Any]:
+            draft: str | None = None, task: str = "repeat") -> dict[str, Any]:
     from raypp import LLM, SamplingParams
 
     path = "demo"  # SmolLM2-135M-Instruct, fetched into the cache on first use
@@ -63,10 +70,10 @@ def measure(pp: int, ks: list[int], reps: int, max_tokens: int, methods: list[st
                                    "metrics": None} for c in configs]
     try:
         for llm in engines:
-            llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))  # warm-up
+            llm.chat(TASKS[task], SamplingParams(temperature=0, max_tokens=8))  # warm-up
         for _ in range(reps):
             for llm, row in zip(engines, rows, strict=True):
-                seconds, out = _run(llm, max_tokens)
+                seconds, out = _run(llm, TASKS[task], max_tokens)
                 row["tok_s"].append(round(len(out.outputs[0].token_ids) / seconds, 2))
                 row["text"], row["metrics"] = out.outputs[0].text, out.metrics
     finally:
@@ -90,14 +97,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default="ngram", help="ngram, draft_model, or both")
     parser.add_argument("--draft", default=None, help="the draft model (default: the demo "
                                                       "model itself)")
+    parser.add_argument("--task", default="repeat", choices=sorted(TASKS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     load = os.getloadavg()
     results = {"load_avg_at_start": [round(x, 2) for x in load], "max_tokens": args.max_tokens,
+               "task": args.task,
                "results": [measure(int(p), [int(k) for k in args.k.split(",")], args.reps,
-                                   args.max_tokens, args.methods.split(","), args.draft)
+                                   args.max_tokens, args.methods.split(","), args.draft,
+                                   args.task)
                            for p in args.pp.split(",")]}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
