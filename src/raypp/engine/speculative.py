@@ -72,10 +72,10 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
-        """Up to ``k`` tokens continuing ``seq``'s prompt and output."""
+        """Up to ``k`` tokens continuing ``seq``'s prompt and output (``seq.draft_stats``
+        set: it keeps the sequence's token array between lookups)."""
         stats = seq.draft_stats
-        if stats is None:  # no history to keep: a one-off lookup
-            return self.propose(seq.all_token_ids, k)
+        assert stats is not None, "Speculator.draft sets a sequence's draft stats first"
         if stats.history is None:
             stats.history = TokenHistory()
         return self.propose(stats.history.of(seq), k)
@@ -86,20 +86,23 @@ class NgramProposer:
         if k <= 0 or length < self.min_n + 1:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
-        # ends[j]: an earlier position j whose token is the last token and whose
-        # continuation arr[j + 1] exists; each longer n keeps the ends whose n - 1 tokens
-        # before also match (one pass over the history, then only over the candidates)
+        # ends: the earlier positions j (arr[j + 1] exists) where the last n tokens end
+        # too, for n = 1, 2, ...; a match of n + 1 tokens is one of n, so the candidates
+        # only shrink: one pass over the history, then only over them
         ends = np.flatnonzero(arr[:length - 1] == arr[length - 1])
-        matched = {1: ends}
-        for n in range(2, min(self.max_n, length - 1) + 1):
-            ends = ends[ends >= n - 1]
-            ends = ends[arr[ends - (n - 1)] == arr[length - n]]
-            matched[n] = ends
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            if matched[n].size:
-                start = int(matched[n][-1]) + 1
-                return arr[start:start + k].tolist()
-        return []
+        longest = None
+        for n in range(1, min(self.max_n, length - 1) + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[arr[ends - (n - 1)] == arr[length - n]]
+            if not ends.size:
+                break
+            if n >= self.min_n:
+                longest = ends
+        if longest is None:
+            return []
+        start = int(longest[-1]) + 1  # after the latest occurrence
+        return arr[start:start + k].tolist()
 
 
 class TokenHistory:
