@@ -2,7 +2,7 @@
 arriving among them) with balanced decode micro-batches on and off.
 
 ``python -m benchmarks.mixed_workload [--device cpu|cuda] [--model tiny|bench|1b|DIR]
-[--pp 2] [--workers-per-gpu N] [--chats 32] [--longs 2] [--long-len 1536] [--reps 2]
+[--pp 2] [--workers-per-gpu N (CUDA; default: pp × 2, both engines on one GPU)] [--chats 32] [--longs 2] [--long-len 1536] [--reps 2]
 [--out FILE]``
 
 One engine per mode, both started before measuring and used in turn (``balanced``: the
@@ -115,10 +115,14 @@ def main(argv: list[str] | None = None) -> None:
     options: dict[str, Any] = {"pipeline_parallel_size": args.pp, "enable_prefix_caching": False,
                                "max_model_len": max_len, "device": args.device,
                                "dtype": "float32" if args.device == "cpu" else "bfloat16"}
-    if args.device == "cuda":
-        options.update(workers_per_gpu=args.workers_per_gpu or args.pp,
-                       gpu_memory_utilization=0.8 / len(MODES))
-    engines = {mode: LLM(str(model), **options, **kwargs) for mode, kwargs in MODES.items()}
+    engines = {}
+    for i, (mode, kwargs) in enumerate(MODES.items()):
+        if args.device == "cuda":  # every engine's workers share the one GPU; each engine
+            # keeps 1 - gpu_memory_utilization of the device free, so the later ones count
+            # the earlier ones' memory: 0.4 of the device each
+            options.update(workers_per_gpu=args.workers_per_gpu or args.pp * len(MODES),
+                           gpu_memory_utilization=0.8 * (i + 1) / len(MODES))
+        engines[mode] = LLM(str(model), **options, **kwargs)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
         for llm in engines.values():  # warm-up: one-time costs of the first steps

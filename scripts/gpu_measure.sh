@@ -4,7 +4,8 @@
 #   OUT=$OUT bash scripts/gpu_measure.sh [ITEMS=structured,mixed,mixed1,fp8]
 # structured: benchmarks.gpu.structured_decode (issue 29); mixed: benchmarks.mixed_workload,
 # 1B shape, pp=2 on one GPU (mixed) and pp=1 (mixed1) (issue 32); fp8: benchmarks.gpu.fp8_decode's gemm and
-# kv sections (issue 34); prefill (not by default: run 15 measured it):
+# kv sections (issue 34); chaos (not by default): benchmarks.chaos at pp=2 on one GPU, tiny
+# Llama, 2 rounds of 2 kills under 32 streams (issue 31); prefill (not by default: run 15 measured it):
 # benchmarks.gpu.pipelined_prefill at 16k and 32k tokens (issue 32). Each writes $OUT/<item>*.txt (its log) and its JSON.
 set -u
 ITEMS=${1:-structured,mixed,mixed1,fp8}
@@ -26,12 +27,17 @@ item() {  # item NAME SECONDS COMMAND...: run COMMAND if NAME is in ITEMS
 }
 
 item structured 150 python3 -m benchmarks.gpu.structured_decode --out "$OUT/structured"
-item mixed 210 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 2 \
+item mixed 250 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 2 \
   --chats 128 --longs 2 --long-len 8192 --reps 2 --out "$OUT/mixed_pp2.json"
-item mixed1 90 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 1 \
+item mixed1 160 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 1 \
   --chats 128 --longs 2 --long-len 8192 --reps 3 --out "$OUT/mixed_pp1.json"
 item fp8 120 python3 -m benchmarks.gpu.fp8_decode --out "$OUT/fp8" --sections gemm,kv \
   --budget-s 110
+if case ",$ITEMS," in *",chaos,"*) true ;; *) false ;; esac; then
+  python3 -c "from raypp.testing.tiny_model import make_tiny_model; make_tiny_model('/tmp/tiny_llama')"
+fi
+item chaos 230 python3 -m benchmarks.chaos --model /tmp/tiny_llama -pp 2 --rounds 2 \
+  --engine-args '{"device": "cuda", "workers_per_gpu": 2}' --json "$OUT/chaos.json"
 item prefill 90 python3 -m benchmarks.gpu.pipelined_prefill --out "$OUT/prefill" \
   --lens 16384,32768 --reps 1 --budget-s 80
 cat "$OUT/items.txt"

@@ -162,6 +162,27 @@ def test_shutdown_leaves_no_actors_and_a_second_llm_works(ray_cluster, tiny_llam
     assert again[0].outputs[0].token_ids == text[0].outputs[0].token_ids
 
 
+
+def test_stages_the_cluster_cannot_hold_are_named_with_what_is_free_and_keep_nothing(
+        ray_cluster, tiny_llama, monkeypatch, caplog):
+    """Stage workers asking for more CPU than the cluster has (as when another engine or
+    job holds what they need): a WARNING naming what is free once the wait is long, then a
+    RuntimeError at the start-up timeout; the failed start keeps no reservation."""
+    from raypp.executor import stage_pool
+
+    monkeypatch.setattr(stage_pool, "STARTUP_TIMEOUT_S", 4)
+    monkeypatch.setattr(stage_pool, "RESERVE_WARN_AFTER_S", 1.0)
+    monkeypatch.setattr(stage_pool, "WORKER_CPUS", ray.cluster_resources()["CPU"] + 1)
+    before = ray.available_resources().get("CPU", 0)
+    with caplog.at_level("WARNING", logger=stage_pool.__name__), \
+            pytest.raises(RuntimeError, match="could not hold 2 stage workers"):
+        LLM(str(tiny_llama), pipeline_parallel_size=2)
+    assert "another engine or job may hold them" in caplog.text
+    deadline = time.time() + 10
+    while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= before
+
 _NEW_CLUSTER = """
 import json, os, ray
 from raypp.executor.stage_pool import ensure_ray

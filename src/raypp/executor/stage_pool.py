@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_CPUS = 0.01  # stage actors must not need a whole CPU each on a 2-core box
 STARTUP_TIMEOUT_S = 300
+RESERVE_WARN_AFTER_S = 10.0  # a free cluster holds the bundles in well under a second
 PING_TIMEOUT_S = 3.0  # a live actor answers a ping well within this, whatever it is doing
 
 
@@ -222,7 +223,7 @@ class StagePool:
         while True:
             self._pg = placement_group(bundles, strategy=strategy)
             try:
-                ray.get(self._pg.ready(), timeout=max(1.0, deadline - time.monotonic()))
+                self._wait_ready(bundles, deadline)
                 return
             except TaskPlacementGroupRemoved:
                 self._remove_placement_group()
@@ -238,6 +239,23 @@ class StagePool:
                     f"({bundles[0]} each, placement {strategy}) within {STARTUP_TIMEOUT_S} s; "
                     f"{len(alive)} node(s) alive with {ray.available_resources()} free"
                 ) from None
+
+    def _wait_ready(self, bundles: list[dict[str, float]], deadline: float) -> None:
+        """Wait for the placement group until ``deadline``; one WARNING naming what is free
+        once the wait passes ``RESERVE_WARN_AFTER_S`` (another engine or job holding the
+        GPUs shows there, not only when the start-up timeout ends)."""
+        ready = self._pg.ready()
+        try:
+            ray.get(ready, timeout=max(1.0, min(RESERVE_WARN_AFTER_S, deadline - time.monotonic())))
+            return
+        except GetTimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+        logger.warning(
+            "waiting for the Ray cluster to hold %d stage workers (%s each): %s free now; "
+            "another engine or job may hold them (giving up after %d s)",
+            len(bundles), bundles[0], ray.available_resources(), STARTUP_TIMEOUT_S)
+        ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
 
     def _remove_placement_group(self) -> None:
         if self._pg is not None:
