@@ -2,8 +2,8 @@
 arriving among them) with balanced decode micro-batches on and off.
 
 ``python -m benchmarks.mixed_workload [--device cpu|cuda] [--model tiny|bench|1b|DIR]
-[--pp 2] [--workers-per-gpu N (CUDA; default: pp × 2, both engines on one GPU)] [--chats 32] [--longs 2] [--long-len 1536] [--reps 2]
-[--out FILE]``
+[--pp 2] [--workers-per-gpu N (CUDA; default: pp × 2, both engines on one GPU)]
+[--chats 32] [--longs 2] [--long-len 1536] [--reps 2] [--out FILE]``
 
 One engine per mode, both started before measuring and used in turn (``balanced``: the
 default, at most ``ceil(decodes / micro-batches in flight)`` decode rows per micro-batch;
