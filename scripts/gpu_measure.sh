@@ -28,9 +28,9 @@ item() {  # item NAME SECONDS COMMAND...: run COMMAND if NAME is in ITEMS
 
 item structured 150 python3 -m benchmarks.gpu.structured_decode --out "$OUT/structured"
 item mixed 250 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 2 \
-  --chats 128 --longs 2 --long-len 8192 --reps 2 --out "$OUT/mixed_pp2.json"
+  --chats 256 --longs 2 --long-len 8192 --reps 4 --out "$OUT/mixed_pp2.json"
 item mixed1 160 python3 -m benchmarks.mixed_workload --device cuda --model 1b --pp 1 \
-  --chats 128 --longs 2 --long-len 8192 --reps 3 --out "$OUT/mixed_pp1.json"
+  --chats 256 --longs 2 --long-len 8192 --reps 4 --out "$OUT/mixed_pp1.json"
 item fp8 120 python3 -m benchmarks.gpu.fp8_decode --out "$OUT/fp8" --sections gemm,kv \
   --budget-s 110
 if case ",$ITEMS," in *",chaos,"*) true ;; *) false ;; esac; then
