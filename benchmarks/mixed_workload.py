@@ -14,9 +14,10 @@ micro-batch), ``--reps`` times, so drift of the machine shows as spread. Each ru
 of ``--long-len`` tokens arrive one per ``--long-every`` engine steps, each generating 16
 tokens. Reported per run: output tokens/s over the run (every request's output tokens,
 wall time from the first ``add_request`` to the last token), the chats' inter-token
-latency (median and p99, tokens of one step counted at the step's return) and the long
-prompts' TTFT, all read through ``LLMEngine.step``. Defaults otherwise, prefix caching
-off, fp32 on CPU, bf16 on CUDA. Models as in :mod:`benchmarks.pipelined_prefill`, plus
+latency (median and p99, tokens of one step counted at the step's return), the long
+prompts' TTFT, and the ``LLMEngine.step`` calls (how many, their median and the five
+slowest: one-time costs), all read through ``LLMEngine.step``. Defaults otherwise, prefix
+caching off, fp32 on CPU, bf16 on CUDA. Models as in :mod:`benchmarks.pipelined_prefill`, plus
 ``1b`` (Llama-3.2-1B's shape, random weights; for the GPU).
 """
 
@@ -69,9 +70,12 @@ def run_once(llm: Any, vocab: int, args: argparse.Namespace, seed: int) -> dict[
     for i in range(args.chats):
         add(f"chat{seed}-{i}", rng.randint(32, 128), rng.randint(64, 128))
     longs_added = steps_since = 0
+    step_s: list[float] = []
     while engine.has_unfinished_requests():
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        step_s.append(now - before)
         for out in outputs:
             rid, n = out.request_id, len(out.outputs[0].token_ids)
             if n > seen.get(rid, 0):
@@ -91,7 +95,10 @@ def run_once(llm: Any, vocab: int, args: argparse.Namespace, seed: int) -> dict[
     return {"output_tok_s": round(sum(seen.values()) / wall, 1), "wall_s": round(wall, 3),
             "itl_median_ms": round(1e3 * statistics.median(gaps), 2),
             "itl_p99_ms": round(1e3 * gaps[int(0.99 * (len(gaps) - 1))], 2),
-            "long_ttft_s": [round(v, 3) for r, v in ttft.items() if r.startswith("long")]}
+            "long_ttft_s": [round(v, 3) for r, v in ttft.items() if r.startswith("long")],
+            # where a run's time went: one-time costs show as a few steps far above the median
+            "steps": len(step_s), "step_median_ms": round(1e3 * statistics.median(step_s), 2),
+            "slowest_steps_ms": sorted((round(1e3 * v, 1) for v in step_s), reverse=True)[:5]}
 
 
 def main(argv: list[str] | None = None) -> None:
