@@ -1,4 +1,5 @@
-"""Random-weight Llama checkpoints for the lab scripts, at real models' shapes.
+"""Random-weight Llama checkpoints for the lab scripts, at real models' shapes (and, through
+:func:`sharp_init_checkpoint`'s ``family``, other transformers families).
 
 Both builders write a Hugging Face directory raypp and transformers load: config,
 safetensors, a plain greedy ``generation_config.json`` (no sampling defaults) and a
@@ -63,18 +64,30 @@ def hf_init_checkpoint(path: Path, config_fields: dict[str, Any]) -> dict[str, A
     return {"params": n_params, "weight_bytes": 2 * n_params, "config": config_fields}
 
 
-def sharp_init_checkpoint(path: Path, shape: dict[str, Any], shard_bytes: int = 4 << 30) -> None:
+LLAMA_FAMILY = ("LlamaConfig", "LlamaForCausalLM")
+
+
+def sharp_init_checkpoint(path: Path, shape: dict[str, Any], shard_bytes: int = 4 << 30,
+                          family: tuple[str, str] = LLAMA_FAMILY) -> None:
     """Sharded bf16 safetensors drawn (on the GPU when there is one) with
     :mod:`raypp.testing`'s init recipe: norms near 1, projections of std 1.5/√fan-in and
     the LM head 4× sharper, so greedy argmaxes are decisive rather than bf16 near-ties.
-    Each shard is written as soon as it is full (an 8B model never sits in host memory)."""
+    Each shard is written as soon as it is full (an 8B model never sits in host memory).
+
+    ``family``: transformers' config and model class names (default Llama; e.g.
+    ``("Qwen3MoeConfig", "Qwen3MoeForCausalLM")``, whose experts are written in
+    transformers' fused 3-D layout). Gemma's norms scale by ``1 + w``, so theirs are drawn
+    near 0. ``shape`` may set ``rms_norm_eps`` and the special token ids (default 1e-5 and
+    :data:`SPECIAL_TOKENS`)."""
     import transformers
     from safetensors.torch import save_file
 
-    config = transformers.LlamaConfig(**shape, rms_norm_eps=1e-5, **SPECIAL_TOKENS,
-                                      dtype="bfloat16")
+    config_cls, arch = family
+    config = getattr(transformers, config_cls)(**{"rms_norm_eps": 1e-5, **SPECIAL_TOKENS, **shape},
+                                               dtype="bfloat16")
+    norm_center = 0.0 if arch.startswith("Gemma") else 1.0
     with torch.device("meta"):
-        names = [(n, tuple(p.shape)) for n, p in transformers.LlamaForCausalLM(config)
+        names = [(n, tuple(p.shape)) for n, p in getattr(transformers, arch)(config)
                  .named_parameters()]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -92,7 +105,7 @@ def sharp_init_checkpoint(path: Path, shape: dict[str, Any], shard_bytes: int = 
     for name, dims in names:
         x = torch.randn(dims, generator=gen, device=device, dtype=torch.float32)
         if "norm" in name:
-            x = 1 + 0.1 * x
+            x = norm_center + 0.1 * x
         elif "embed_tokens" not in name:  # lm_head 4× sharper: fewer bf16 near-ties
             x *= (6.0 if name == "lm_head.weight" else 1.5) / dims[-1] ** 0.5
         t = x.to(torch.bfloat16).cpu()
@@ -103,7 +116,7 @@ def sharp_init_checkpoint(path: Path, shape: dict[str, Any], shard_bytes: int = 
     flush()
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [arch]
     config.save_pretrained(path)
     _plain_generation_config(path)
     word_tokenizer(shape["vocab_size"]).save_pretrained(path)

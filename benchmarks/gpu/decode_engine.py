@@ -23,10 +23,10 @@ from benchmarks.harness import Run, log
 
 
 def _llm(ckpt: Path, dtype: str, max_num_seqs: int, num_decode_steps: int = 1,
-         control_plane: str | None = None) -> Any:
+         control_plane: str | None = None, device: str = "cuda") -> Any:
     from raypp import LLM
 
-    return LLM(str(ckpt), device="cuda", dtype=dtype, max_model_len=MAX_MODEL_LEN,
+    return LLM(str(ckpt), device=device, dtype=dtype, max_model_len=MAX_MODEL_LEN,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                gpu_memory_utilization=0.5, num_decode_steps=num_decode_steps,
                control_plane=control_plane)
@@ -50,13 +50,15 @@ def _graph_info(llm: Any) -> dict[str, Any] | None:
     return ray.get(worker.__ray_call__.remote(graphs_summary), timeout=60)
 
 
-def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -> dict[str, Any]:
+def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None,
+                device: str = "cuda") -> dict[str, Any]:
     """Greedy tokens (and top ``logprobs``) of the check prompts through the engine
-    (``llm``, else one started and stopped here): ``{"tokens", "top_logprobs", "graphs"}``."""
+    (``llm``, else one started and stopped here on ``device``): ``{"tokens",
+    "top_logprobs", "graphs"}``."""
     from raypp import SamplingParams
 
     own = llm is None
-    llm = llm or _llm(ckpt, dtype, 4, CHECK_DECODE_STEPS)
+    llm = llm or _llm(ckpt, dtype, 4, CHECK_DECODE_STEPS, device=device)
     try:
         params = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True,
                                 logprobs=logprobs)
@@ -74,8 +76,10 @@ def raypp_check(ckpt: Path, dtype: str, logprobs: int | None, llm: Any = None) -
 
 def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
                        control_plane: str = "cgraph",
-                       decode_steps: tuple[int, ...] = DECODE_STEPS) -> dict[str, Any]:
-    """Decode tokens/s through LLMEngine.step at each batch size and each of ``decode_steps``.
+                       decode_steps: tuple[int, ...] = DECODE_STEPS, device: str = "cuda",
+                       dtype: str = "bfloat16") -> dict[str, Any]:
+    """Decode tokens/s through LLMEngine.step at each batch size and each of ``decode_steps``
+    (``device`` and ``dtype``: the GPU in bf16 unless a CPU dry run asks otherwise).
 
     One engine serves every run; ``num_decode_steps`` is switched between runs
     (:func:`_set_rounds`). On the compiled-graph plane the result
@@ -85,12 +89,12 @@ def raypp_engine_bench(ckpt: Path, batches: tuple[int, ...], run: Run,
     """
     from raypp import SamplingParams
 
-    llm = _llm(ckpt, "bfloat16", max(batches), CHECK_DECODE_STEPS, control_plane)
+    llm = _llm(ckpt, dtype, max(batches), CHECK_DECODE_STEPS, control_plane, device)
     results: dict[str, Any] = {"control_plane": control_plane}
     try:
         engine = llm.engine
         if control_plane == "cgraph":  # the bf16 correctness tokens, from this same engine
-            results["check"] = raypp_check(ckpt, "bfloat16", 5, llm)
+            results["check"] = raypp_check(ckpt, dtype, 5, llm)
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         llm.generate(random_prompts(2, 64, 1), warm, use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
