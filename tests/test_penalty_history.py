@@ -129,5 +129,7 @@ def test_repetition_penalty_equals_transformers(ray_cluster, tiny_llama, pp, blo
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         if blocks:
             assert llm.engine.scheduler.num_preemptions > 0
-    reference = hf_greedy(tiny_llama, prompts, 20, min_new_tokens=20, repetition_penalty=PENALTY)
+    # ignore_eos: EOS is an ordinary token (transformers with no EOS id neither stops at it
+    # nor forbids it, as min_new_tokens would)
+    reference = hf_greedy(tiny_llama, prompts, 20, eos_token_id=None, repetition_penalty=PENALTY)
     assert [o.outputs[0].token_ids for o in outs] == reference
