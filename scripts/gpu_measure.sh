@@ -6,7 +6,8 @@
 # 1B shape, pp=2 on one GPU (mixed) and pp=1 (mixed1) (issue 32); fp8: benchmarks.gpu.fp8_decode's gemm and
 # kv sections (issue 34); chaos (not by default): benchmarks.chaos at pp=2 on one GPU, tiny
 # Llama, 2 rounds of 2 kills under 32 streams (issue 31); prefill (not by default: run 15 measured it):
-# benchmarks.gpu.pipelined_prefill at 16k and 32k tokens (issue 32). Each writes $OUT/<item>*.txt (its log) and its JSON.
+# benchmarks.gpu.pipelined_prefill at 16k and 32k tokens (issue 32); debt1b, debt8b,
+# families, moe (not by default; one device call each): issue 35's targets. Each writes $OUT/<item>*.txt (its log) and its JSON.
 set -u
 ITEMS=${1:-structured,mixed,mixed1,fp8}
 OUT=${OUT:-gpu_out}
@@ -38,6 +39,16 @@ if case ",$ITEMS," in *",chaos,"*) true ;; *) false ;; esac; then
 fi
 item chaos 230 python3 -m benchmarks.chaos --model /tmp/tiny_llama -pp 2 --rounds 2 \
   --engine-args '{"device": "cuda", "workers_per_gpu": 2}' --json "$OUT/chaos.json"
+# issue 35's targets (benchmarks/gpu/debt_targets.py), one call each; merge the calls' files
+# here with `python -m benchmarks.gpu.debt_targets --out DIR --summarize`
+item debt1b 530 python3 -m benchmarks.gpu.debt_targets --out "$OUT/debt" --budget-s 480 \
+  --sections defaults_1b,async_k32,prefix
+item debt8b 530 python3 -m benchmarks.gpu.debt_targets --out "$OUT/debt" --budget-s 480 \
+  --sections defaults_8b
+item families 530 python3 -m benchmarks.gpu.debt_targets --out "$OUT/debt" --budget-s 480 \
+  --sections families
+item moe 530 python3 -m benchmarks.gpu.debt_targets --out "$OUT/debt" --budget-s 480 \
+  --sections moe
 item prefill 90 python3 -m benchmarks.gpu.pipelined_prefill --out "$OUT/prefill" \
   --lens 16384,32768 --reps 1 --budget-s 80
 cat "$OUT/items.txt"
