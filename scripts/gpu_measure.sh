@@ -34,11 +34,9 @@ item mixed1 160 python3 -m benchmarks.mixed_workload --device cuda --model 1b --
   --chats 256 --longs 2 --long-len 8192 --reps 4 --out "$OUT/mixed_pp1.json"
 item fp8 120 python3 -m benchmarks.gpu.fp8_decode --out "$OUT/fp8" --sections gemm,kv \
   --budget-s 110
-if case ",$ITEMS," in *",chaos,"*) true ;; *) false ;; esac; then
-  python3 -c "from raypp.testing.tiny_model import make_tiny_model; make_tiny_model('/tmp/tiny_llama')"
-fi
-item chaos 230 python3 -m benchmarks.chaos --model /tmp/tiny_llama -pp 2 --rounds 2 \
-  --engine-args '{"device": "cuda", "workers_per_gpu": 2}' --json "$OUT/chaos.json"
+item chaos 230 bash -c "python3 -c 'from raypp.testing.tiny_model import make_tiny_model; \
+make_tiny_model(\"/tmp/tiny_llama\")' && python3 -m benchmarks.chaos --model /tmp/tiny_llama -pp 2 \
+--rounds 2 --engine-args '{\"device\": \"cuda\", \"workers_per_gpu\": 2}' --json $OUT/chaos.json"
 # issue 35's targets (benchmarks/gpu/debt_targets.py), one call each; merge the calls' files
 # here with `python -m benchmarks.gpu.debt_targets --out DIR --summarize`
 item debt1b 530 python3 -m benchmarks.gpu.debt_targets --out "$OUT/debt" --budget-s 480 \

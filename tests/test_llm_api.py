@@ -162,7 +162,6 @@ def test_shutdown_leaves_no_actors_and_a_second_llm_works(ray_cluster, tiny_llam
     assert again[0].outputs[0].token_ids == text[0].outputs[0].token_ids
 
 
-
 def test_stages_the_cluster_cannot_hold_are_named_with_what_is_free_and_keep_nothing(
         ray_cluster, tiny_llama, monkeypatch, caplog):
     """Stage workers asking for more CPU than the cluster has (as when another engine or
@@ -182,6 +181,7 @@ def test_stages_the_cluster_cannot_hold_are_named_with_what_is_free_and_keep_not
     while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) >= before
+
 
 _NEW_CLUSTER = """
 import json, os, ray

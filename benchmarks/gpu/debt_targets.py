@@ -118,7 +118,6 @@ import gc
 import json
 import math
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -129,6 +128,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.checkpoints import LLAMA_1B, LLAMA_8B, LLAMA_FAMILY, sharp_init_checkpoint
+from benchmarks.gpu.decode_workload import random_prompts
 from benchmarks.gpu.fp8_checkpoints import QWEN3_8B
 from benchmarks.harness import (
     Run,
@@ -340,13 +340,6 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
-    """``n`` random prompts of ``length`` ids in ``[3, vocab)``; for the Llama vocabulary
-    the same as :func:`benchmarks.gpu.decode_workload.random_prompts`."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def _config(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / "config.json").read_text())
 
@@ -364,7 +357,7 @@ def start_engine(ckpt: Path, setup: Setup, **options: Any) -> tuple[Any, float]:
 def warm(llm: Any, vocab: int) -> None:
     from raypp import SamplingParams
 
-    llm.generate(prompts(2, 64, 1, vocab), SamplingParams(max_tokens=8, ignore_eos=True),
+    llm.generate(random_prompts(2, 64, 1, vocab), SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
 
 
@@ -386,7 +379,7 @@ def decode_run(engine: Any, batch: int, setup: Setup, vocab: int, tag: str,
 
     n = output_len or setup.output_len
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    out = engine_run(engine, prompts(batch, setup.prompt_len, 100 + batch, vocab), params, tag)
+    out = engine_run(engine, random_prompts(batch, setup.prompt_len, 100 + batch, vocab), params, tag)
     out["e2e_output_tok_s"] = round(batch * n / out["total_s"], 1)  # engine_run assumes 256
     out["batch"] = batch
     log(f"{tag}: {out['decode_tok_s']} decode tok/s")
@@ -665,7 +658,7 @@ def _hf_batch(model: Any, batch: int, setup: Setup, vocab: int) -> dict[str, Any
     from raypp.bench.workload import BenchRequest
 
     n = 8 if setup.dry else 64  # eager transformers: a near-constant, host-bound step
-    ps = prompts(batch, setup.prompt_len, 100 + batch, vocab)
+    ps = random_prompts(batch, setup.prompt_len, 100 + batch, vocab)
 
     def seconds(tokens: int) -> float:  # each call warms up on the batch first
         return run_hf_generate(model, [BenchRequest(p, tokens) for p in ps], "dynamic", batch,

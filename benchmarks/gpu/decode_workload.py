@@ -27,10 +27,12 @@ def make_checkpoint(path: Path) -> dict[str, Any]:
     return hf_init_checkpoint(path, SHAPE_1B)
 
 
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids (no special tokens), the same for a seed."""
+def random_prompts(n: int, length: int, seed: int, vocab: int = SHAPE_1B["vocab_size"]
+                   ) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids in ``[3, vocab)`` (no special tokens; the 1B
+    shape's vocabulary unless given), the same for a seed."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, SHAPE_1B["vocab_size"]) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def check_prompts() -> list[list[int]]:
